@@ -1,0 +1,157 @@
+"""The op set: for each kind, its inputs, attributes and type inference.
+
+Activations are float32; weights keep their checkpoint dtype (the kernels widen them).
+Scalars (`pos`, `n`) are int32 tensors of shape (): the start position of the new tokens in
+the KV cache and the number of valid (unpadded) new tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .graph import Dim, TensorType
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class IRError(Exception):
+    """An ill-formed graph: a compiler or model-definition bug, never a user input problem."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise IRError(msg)
+
+
+def _act(t: TensorType, rank: int, what: str) -> None:
+    _check(t.dtype == "float32" and len(t.shape) == rank, f"{what} must be float32 of rank {rank}, got {t}")
+
+
+def _weight(t: TensorType, shape: tuple[Dim, ...], what: str) -> None:
+    _check(t.dtype in FLOAT_DTYPES, f"{what} must be a float tensor, got {t}")
+    _check(t.shape == shape, f"{what} must have shape {shape}, got {t}")
+
+
+def _scalar(t: TensorType, what: str) -> None:
+    _check(t == TensorType((), "int32"), f"{what} must be an int32 scalar, got {t}")
+
+
+def _embedding(ins, attrs):
+    table, ids = ins
+    _check(table.dtype in FLOAT_DTYPES and len(table.shape) == 2, f"embedding table must be a float matrix, got {table}")
+    _check(ids.dtype == "int32" and len(ids.shape) == 1, f"embedding ids must be int32 of rank 1, got {ids}")
+    return [TensorType((ids.shape[0], table.shape[1]), "float32")]
+
+
+def _rms_norm(ins, attrs):
+    x, w = ins
+    _act(x, 2, "rms_norm input")
+    _weight(w, (x.shape[1],), "rms_norm weight")
+    return [x]
+
+
+def _add_rms_norm(ins, attrs):
+    x, residual, w = ins
+    _act(x, 2, "add_rms_norm input")
+    _check(residual == x, f"add_rms_norm residual {residual} must match input {x}")
+    _weight(w, (x.shape[1],), "add_rms_norm weight")
+    return [x, x]
+
+
+def _linear(ins, attrs):
+    x, w = ins[0], ins[1]
+    _act(x, 2, "linear input")
+    _check(len(w.shape) == 2, f"linear weight must be a matrix, got {w}")
+    _weight(w, (w.shape[0], x.shape[1]), "linear weight")
+    if len(ins) == 3:
+        _weight(ins[2], (w.shape[0],), "linear bias")
+    return [TensorType((x.shape[0], w.shape[0]), "float32")]
+
+
+def _rope(ins, attrs):
+    x, pos = ins
+    _act(x, 2, "rope input")
+    _scalar(pos, "rope pos")
+    head_dim, inv_freq = attrs["head_dim"], attrs["inv_freq"]
+    _check(x.shape[1] % head_dim == 0, f"rope features {x.shape[1]} not a multiple of head_dim {head_dim}")
+    _check(0 < 2 * len(inv_freq) <= head_dim, f"rope rotates {2 * len(inv_freq)} of {head_dim} dims")
+    return [x]
+
+
+def _kv_append(ins, attrs):
+    cache, new, pos, n = ins
+    _check(cache.dtype == "float32" and len(cache.shape) == 2, f"kv cache must be float32 of rank 2, got {cache}")
+    _act(new, 2, "kv_append new rows")
+    _check(new.shape[1] == cache.shape[1], f"kv_append rows {new} do not fit cache {cache}")
+    _scalar(pos, "kv_append pos")
+    _scalar(n, "kv_append n")
+    return [cache]
+
+
+def _attention(ins, attrs):
+    q, k, v, pos, n = ins
+    heads, kv_heads, head_dim = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
+    _act(q, 2, "attention query")
+    _check(q.shape[1] == heads * head_dim, f"attention query {q} is not {heads} heads of {head_dim}")
+    _check(heads % kv_heads == 0, f"{heads} heads do not group over {kv_heads} kv heads")
+    for cache, what in ((k, "key"), (v, "value")):
+        _check(cache.dtype == "float32" and cache.shape[1] == kv_heads * head_dim,
+               f"attention {what} cache {cache} is not {kv_heads} heads of {head_dim}")
+    _check(k.shape == v.shape, f"key cache {k} and value cache {v} differ")
+    _scalar(pos, "attention pos")
+    _scalar(n, "attention n")
+    return [q]
+
+
+def _elementwise(ins, attrs):
+    a, b = ins
+    _act(a, 2, "elementwise input")
+    _check(a == b, f"elementwise inputs differ: {a} vs {b}")
+    return [a]
+
+
+def _take_last(ins, attrs):
+    x, n = ins
+    _act(x, 2, "take_last input")
+    _scalar(n, "take_last n")
+    return [TensorType((1, x.shape[1]), "float32")]
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """What an op kind takes and gives."""
+
+    inputs: tuple[str, ...]
+    attrs: tuple[str, ...]
+    infer: Callable[[list[TensorType], dict], list[TensorType]]
+    optional_inputs: tuple[str, ...] = ()
+    inplace: tuple[int, ...] = ()
+    """For each output, the input it overwrites in place (empty: all outputs are fresh)."""
+
+
+OPS: dict[str, OpSpec] = {
+    "embedding": OpSpec(("table", "ids"), (), _embedding),
+    "rms_norm": OpSpec(("x", "weight"), ("eps",), _rms_norm),
+    "add_rms_norm": OpSpec(("x", "residual", "weight"), ("eps",), _add_rms_norm),
+    "linear": OpSpec(("x", "weight"), (), _linear, optional_inputs=("bias",)),
+    "rope": OpSpec(("x", "pos"), ("head_dim", "inv_freq"), _rope),
+    "kv_append": OpSpec(("cache", "new", "pos", "n"), (), _kv_append, inplace=(0,)),
+    "attention": OpSpec(("q", "k_cache", "v_cache", "pos", "n"), ("num_heads", "num_kv_heads", "head_dim", "scale"), _attention),
+    "silu_mul": OpSpec(("gate", "up"), (), _elementwise),
+    "add": OpSpec(("a", "b"), (), _elementwise),
+    "take_last": OpSpec(("x", "n"), (), _take_last),
+}
+
+
+def infer_types(kind: str, inputs: list[TensorType], attrs: dict) -> list[TensorType]:
+    """Output types of an op of `kind` on inputs of these types, or IRError."""
+    spec = OPS.get(kind)
+    _check(spec is not None, f"unknown op kind {kind!r}")
+    lo, hi = len(spec.inputs), len(spec.inputs) + len(spec.optional_inputs)
+    _check(lo <= len(inputs) <= hi, f"{kind} takes {lo}..{hi} inputs, got {len(inputs)}")
+    missing = [a for a in spec.attrs if a not in attrs]
+    _check(not missing, f"{kind} lacks attributes {missing}")
+    unknown = [a for a in attrs if a not in spec.attrs]
+    _check(not unknown, f"{kind} has unknown attributes {unknown}")
+    return spec.infer(inputs, attrs)

@@ -1,0 +1,67 @@
+"""JSON round-trip of a program and the stable hash that keys build artifacts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from .graph import Graph, Op, Param, Program, TensorType
+
+FORMAT_VERSION = 1
+
+
+def _type(t: TensorType) -> dict:
+    return {"shape": list(t.shape), "dtype": t.dtype}
+
+
+def _untype(d: dict) -> TensorType:
+    return TensorType(tuple(d["shape"]), d["dtype"])
+
+
+def to_json_dict(program: Program) -> dict:
+    """A JSON-compatible dict holding the whole program."""
+    return {
+        "format": FORMAT_VERSION,
+        "model_type": program.model_type,
+        "meta": program.meta,
+        "params": [{"name": p.name, **_type(p.type)} for p in program.params.values()],
+        "entries": [
+            {
+                "name": g.name,
+                "inputs": g.inputs,
+                "outputs": g.outputs,
+                "types": {k: _type(t) for k, t in g.types.items()},
+                "ops": [{"kind": o.kind, "inputs": list(o.inputs), "outputs": list(o.outputs), "attrs": o.attrs}
+                        for o in g.ops],
+            }
+            for g in program.entries.values()
+        ],
+    }
+
+
+def from_json_dict(d: dict) -> Program:
+    """The program a `to_json_dict` dict describes."""
+    if d.get("format") != FORMAT_VERSION:
+        raise ValueError(f"IR format {d.get('format')!r} is not {FORMAT_VERSION}")
+    params = {p["name"]: Param(p["name"], _untype(p)) for p in d["params"]}
+    entries = {}
+    for e in d["entries"]:
+        ops = [Op(o["kind"], tuple(o["inputs"]), tuple(o["outputs"]), o["attrs"]) for o in e["ops"]]
+        types = {k: _untype(t) for k, t in e["types"].items()}
+        entries[e["name"]] = Graph(e["name"], list(e["inputs"]), ops, list(e["outputs"]), types)
+    return Program(d["model_type"], params, entries, d["meta"])
+
+
+def to_json(program: Program) -> str:
+    """Canonical JSON text of the program (sorted keys, no whitespace)."""
+    return json.dumps(to_json_dict(program), sort_keys=True, separators=(",", ":"))
+
+
+def from_json(text: str) -> Program:
+    """Parse `to_json` text."""
+    return from_json_dict(json.loads(text))
+
+
+def stable_hash(program: Program) -> str:
+    """SHA-256 of the canonical JSON: equal programs hash equal across runs and machines."""
+    return hashlib.sha256(to_json(program).encode()).hexdigest()

@@ -1,0 +1,50 @@
+"""The verifier: every value defined once before use, types as the op signatures infer."""
+
+from __future__ import annotations
+
+from .graph import Graph, Program
+from .ops import OPS, IRError, infer_types
+
+
+def verify_graph(graph: Graph, program: Program) -> None:
+    """Raise IRError if `graph` is ill-formed within `program`."""
+    where = f"{program.model_type}.{graph.name}"
+    defined = set(program.params)
+    overwritten: set[str] = set()
+    for name in graph.inputs:
+        if name in defined:
+            raise IRError(f"{where}: input {name!r} shadows a param or another input")
+        defined.add(name)
+    for op in graph.ops:
+        for v in op.inputs:
+            if v not in defined:
+                raise IRError(f"{where}: {op.kind} reads undefined value {v!r}")
+            if v in overwritten:
+                raise IRError(f"{where}: {op.kind} reads {v!r} after an in-place op overwrote it")
+        in_types = [graph.types[v] if v in graph.types else program.params[v].type for v in op.inputs]
+        out_types = infer_types(op.kind, in_types, op.attrs)
+        if len(out_types) != len(op.outputs):
+            raise IRError(f"{where}: {op.kind} gives {len(out_types)} outputs, graph names {len(op.outputs)}")
+        for out, t in zip(op.outputs, out_types):
+            if out in defined:
+                raise IRError(f"{where}: value {out!r} defined twice")
+            if graph.types.get(out) != t:
+                raise IRError(f"{where}: {out!r} is typed {graph.types.get(out)}, {op.kind} gives {t}")
+            defined.add(out)
+        for src in OPS[op.kind].inplace:
+            if op.inputs[src] in program.params:
+                raise IRError(f"{where}: {op.kind} would overwrite param {op.inputs[src]!r}")
+            overwritten.add(op.inputs[src])
+    for out in graph.outputs:
+        if out not in defined or out in overwritten:
+            raise IRError(f"{where}: output {out!r} is undefined or overwritten")
+    stray = set(graph.types) - (defined - set(program.params))
+    if stray:
+        raise IRError(f"{where}: types given for values never defined: {sorted(stray)}")
+
+
+def verify(program: Program) -> Program:
+    """Raise IRError if any entry of `program` is ill-formed; returns the program."""
+    for graph in program.entries.values():
+        verify_graph(graph, program)
+    return program

@@ -1,0 +1,48 @@
+"""Model definitions: config.json -> validated config -> IR program. No TVM here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+from ir import Program
+
+from . import llama, qwen2
+from .config import ConfigReader, ModelConfigError, read_config_json
+from .decoder import DecoderConfig, build_decoder_program, checkpoint_shapes
+
+ARCHITECTURES = {"llama": llama.read_config, "qwen2": qwen2.read_config}
+
+
+def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
+    """Validate a config.json dict for a supported architecture."""
+    cfg = ConfigReader(raw, source)
+    model_type = cfg.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise cfg.error("model_type", f"is {model_type!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
+    quant = raw.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise cfg.error("quantization_config", f"marks a quantised checkpoint ({method!r}); "
+                        "the float Llama/Qwen2 path takes unquantised weights only")
+    return ARCHITECTURES[model_type](cfg)
+
+
+def load_config(model_dir: str | Path) -> DecoderConfig:
+    """The validated config of a local model directory."""
+    raw, path = read_config_json(model_dir)
+    return parse_config(raw, str(path))
+
+
+def build_program(config: DecoderConfig, param_dtypes: Mapping[str, str] | None = None) -> Program:
+    """The verified IR program (prefill + decode entries) for a config."""
+    return build_decoder_program(config, param_dtypes)
+
+
+def checkpoint_tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor names and shapes for a config.json dict."""
+    return checkpoint_shapes(parse_config(raw_config))
+
+
+__all__ = ["ARCHITECTURES", "DecoderConfig", "ModelConfigError", "build_program", "checkpoint_tensor_shapes",
+           "load_config", "parse_config"]

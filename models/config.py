@@ -1,0 +1,82 @@
+"""Reading config.json: typed field access whose errors name the file and the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ir.errors import RudaError
+
+_REQUIRED = object()
+
+
+class ModelConfigError(RudaError):
+    """config.json is missing, malformed, contradictory, or describes an unsupported model."""
+
+
+def read_config_json(model_dir: str | Path) -> tuple[dict, Path]:
+    """The parsed config.json of a model directory and its path."""
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise ModelConfigError(f"{model_dir}: not a directory; pass a local Hugging Face model directory")
+    if not path.is_file():
+        raise ModelConfigError(f"{path}: missing; a model directory needs the config.json of its checkpoint")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelConfigError(f"{path}: not valid JSON ({e}); restore the file from the checkpoint") from None
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{path}: must hold a JSON object")
+    return raw, path
+
+
+class ConfigReader:
+    """Typed, validated access to the fields of one config dict."""
+
+    def __init__(self, raw: dict, source: str):
+        self.raw = raw
+        self.source = source
+
+    def error(self, field: str, problem: str) -> ModelConfigError:
+        """An error naming the file and field."""
+        return ModelConfigError(f"{self.source}: field '{field}' {problem}")
+
+    def get(self, field: str, default: Any = _REQUIRED) -> Any:
+        """The raw value of a field (required unless a default is given; null counts as absent)."""
+        value = self.raw.get(field)
+        if value is None:
+            if default is _REQUIRED:
+                raise self.error(field, "is missing")
+            return default
+        return value
+
+    def int(self, field: str, default: Any = _REQUIRED, minimum: int = 1) -> int:
+        """An integer field >= minimum."""
+        value = self.get(field, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.error(field, f"must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    def float(self, field: str, default: Any = _REQUIRED, positive: bool = True) -> float:
+        """A finite float field (> 0 when `positive`)."""
+        value = self.get(field, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+            raise self.error(field, f"must be a finite number, got {value!r}")
+        if positive and value <= 0:
+            raise self.error(field, f"must be > 0, got {value!r}")
+        return float(value)
+
+    def bool(self, field: str, default: Any = _REQUIRED) -> bool:
+        """A boolean field."""
+        value = self.get(field, default)
+        if not isinstance(value, bool):
+            raise self.error(field, f"must be true or false, got {value!r}")
+        return value
+
+    def choice(self, field: str, allowed: tuple, default: Any = _REQUIRED) -> Any:
+        """A field whose value must be one of `allowed`."""
+        value = self.get(field, default)
+        if value not in allowed:
+            raise self.error(field, f"is {value!r}; supported: {', '.join(map(repr, allowed))}")
+        return value

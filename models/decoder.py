@@ -1,0 +1,160 @@
+"""The decoder-only transformer that Llama and Qwen2 share: config record and IR builder.
+
+    ids -> embed -> N x [RMSNorm -> attention (RoPE, GQA, KV cache) -> +residual
+                         RMSNorm -> SwiGLU MLP -> +residual] -> RMSNorm -> lm_head -> logits
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Mapping
+
+from ir import CONTEXT, TOKENS, GraphBuilder, Param, Program, TensorType, eliminate_dead_values, fuse_add_rms_norm, verify
+
+from .config import ConfigReader
+from .rope import inv_freq, read_rope
+
+PARAM_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The hyper-parameters the decoder IR needs, validated."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_inv_freq: tuple[float, ...]
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    max_position_embeddings: int
+    dtype: str
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+
+def read_decoder_config(cfg: ConfigReader, model_type: str, *, qkv_bias: bool, tie_default: bool) -> DecoderConfig:
+    """Validate the fields a Llama-style decoder uses and derive the rest (head_dim, rope)."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise cfg.error("hidden_act", f"is {act!r}; only 'silu' (SwiGLU) is supported")
+    hidden = cfg.int("hidden_size")
+    heads = cfg.int("num_attention_heads")
+    kv_heads = cfg.int("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise cfg.error("num_key_value_heads", f"({kv_heads}) must divide num_attention_heads ({heads})")
+    if "head_dim" in cfg.raw and cfg.raw["head_dim"] is not None:
+        head_dim = cfg.int("head_dim")
+    elif hidden % heads:
+        raise cfg.error("hidden_size", f"({hidden}) is not a multiple of num_attention_heads ({heads}) and no head_dim is given")
+    else:
+        head_dim = hidden // heads
+    if head_dim % 2:
+        raise cfg.error("head_dim", f"must be even for rotary embeddings, got {head_dim}")
+    theta, scaling = read_rope(cfg)
+    dtype = cfg.get("torch_dtype", cfg.get("dtype", "float32"))
+    if dtype not in PARAM_DTYPES:
+        raise cfg.error("torch_dtype", f"is {dtype!r}; supported: {', '.join(PARAM_DTYPES)}")
+    eos = cfg.get("eos_token_id", [])
+    eos = [eos] if isinstance(eos, int) else eos
+    if not isinstance(eos, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+        raise cfg.error("eos_token_id", f"must be an integer or a list of integers, got {eos!r}")
+    bos = cfg.get("bos_token_id", None)
+    if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int)):
+        raise cfg.error("bos_token_id", f"must be an integer, got {bos!r}")
+    return DecoderConfig(
+        model_type=model_type,
+        vocab_size=cfg.int("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=cfg.int("intermediate_size"),
+        num_hidden_layers=cfg.int("num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=cfg.float("rms_norm_eps", 1e-6),
+        rope_inv_freq=tuple(inv_freq(cfg, head_dim, theta, scaling)),
+        tie_word_embeddings=cfg.bool("tie_word_embeddings", tie_default),
+        qkv_bias=qkv_bias,
+        max_position_embeddings=cfg.int("max_position_embeddings", 2048),
+        dtype=dtype,
+        bos_token_id=bos,
+        eos_token_ids=tuple(eos),
+    )
+
+
+def checkpoint_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name -> shape, exactly as the Hugging Face model stores them."""
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
+        for name, rows in (("q", q), ("k", kv), ("v", kv)):
+            shapes[p + f"self_attn.{name}_proj.weight"] = (rows, c.hidden_size)
+            if c.qkv_bias:
+                shapes[p + f"self_attn.{name}_proj.bias"] = (rows,)
+        shapes[p + "self_attn.o_proj.weight"] = (c.hidden_size, q)
+        shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
+        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
+        shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
+        shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
+    shapes["model.norm.weight"] = (c.hidden_size,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    return shapes
+
+
+def build_decoder_program(c: DecoderConfig, param_dtypes: Mapping[str, str] | None = None) -> Program:
+    """Prefill and decode graphs of the decoder; params in `param_dtypes` (default: the config's dtype)."""
+    dtypes = param_dtypes or {}
+    params = {n: Param(n, TensorType(s, dtypes.get(n, c.dtype))) for n, s in checkpoint_shapes(c).items()}
+    entries = {name: _entry(c, params, name, tokens) for name, tokens in (("prefill", TOKENS), ("decode", 1))}
+    meta = {"config": asdict(c)}
+    return verify(Program(c.model_type, params, entries, meta))
+
+
+def _entry(c: DecoderConfig, params: dict[str, Param], name: str, tokens):
+    g = GraphBuilder(name, params)
+    ids = g.input("ids", (tokens,), "int32")
+    pos = g.input("pos", (), "int32")
+    n = g.input("n", (), "int32")
+    kv = c.num_key_value_heads * c.head_dim
+    caches = [(g.input(f"k_cache.{i}", (CONTEXT, kv), "float32"), g.input(f"v_cache.{i}", (CONTEXT, kv), "float32"))
+              for i in range(c.num_hidden_layers)]
+    h = g.op("embedding", ["model.embed_tokens.weight", ids], "embed")
+    for i, (k_cache, v_cache) in enumerate(caches):
+        h = _layer(g, c, f"model.layers.{i}.", h, k_cache, v_cache, pos, n)
+    h = g.op("rms_norm", [h, "model.norm.weight"], "final_norm", eps=c.rms_norm_eps)
+    if tokens != 1:
+        h = g.op("take_last", [h, n], "last")
+    head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+    logits = g.op("linear", [h, head], "logits")
+    graph = g.finish([logits])
+    return eliminate_dead_values(fuse_add_rms_norm(graph))
+
+
+def _layer(g: GraphBuilder, c: DecoderConfig, p: str, h: str, k_cache: str, v_cache: str, pos: str, n: str) -> str:
+    x = g.op("rms_norm", [h, p + "input_layernorm.weight"], p + "attn_norm", eps=c.rms_norm_eps)
+    qkv = []
+    for name in ("q", "k", "v"):
+        w = p + f"self_attn.{name}_proj."
+        qkv.append(g.op("linear", [x, w + "weight"] + ([w + "bias"] if c.qkv_bias else []), p + name))
+    rope = {"head_dim": c.head_dim, "inv_freq": list(c.rope_inv_freq)}
+    q = g.op("rope", [qkv[0], pos], p + "q_rot", **rope)
+    k = g.op("rope", [qkv[1], pos], p + "k_rot", **rope)
+    k_all = g.op("kv_append", [k_cache, k, pos, n], p + "k_cache")
+    v_all = g.op("kv_append", [v_cache, qkv[2], pos, n], p + "v_cache")
+    attn = g.op("attention", [q, k_all, v_all, pos, n], p + "attn", num_heads=c.num_attention_heads,
+                num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, scale=c.head_dim ** -0.5)
+    h = g.op("add", [h, g.op("linear", [attn, p + "self_attn.o_proj.weight"], p + "attn_out")], p + "attn_res")
+    x = g.op("rms_norm", [h, p + "post_attention_layernorm.weight"], p + "mlp_norm", eps=c.rms_norm_eps)
+    gate = g.op("linear", [x, p + "mlp.gate_proj.weight"], p + "gate")
+    up = g.op("linear", [x, p + "mlp.up_proj.weight"], p + "up")
+    act = g.op("silu_mul", [gate, up], p + "act")
+    return g.op("add", [h, g.op("linear", [act, p + "mlp.down_proj.weight"], p + "down")], p + "mlp_res")
