@@ -40,9 +40,10 @@ def build_program(config: DecoderConfig, param_dtypes: Mapping[str, str] | None 
 
 
 def checkpoint_tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
-    """Checkpoint tensor names and shapes for a config.json dict."""
+    """Checkpoint tensor names and shapes for a raw config.json dict."""
     return checkpoint_shapes(parse_config(raw_config))
 
 
-__all__ = ["ARCHITECTURES", "DecoderConfig", "ModelConfigError", "build_program", "checkpoint_tensor_shapes",
+__all__ = ["ARCHITECTURES", "DecoderConfig", "ModelConfigError", "build_program", "checkpoint_shapes",
+           "checkpoint_tensor_shapes",
            "load_config", "parse_config"]

@@ -1,0 +1,49 @@
+"""`python -m compiler build MODEL_DIR --target llvm`: compile a Hugging Face model directory ahead of time."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ir.errors import RudaError
+
+from .build import DEFAULT_CONTEXT_BUCKETS, DEFAULT_PREFILL_BUCKETS, build
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the compiler CLI; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m compiler", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="compile MODEL_DIR into an artifact directory")
+    b.add_argument("model_dir", metavar="MODEL_DIR")
+    b.add_argument("--target", default="llvm", choices=["llvm"], help="code generation target (default: llvm, this CPU)")
+    b.add_argument("--out", help="artifact directory (default: build/<model>-<hash>.<target>)")
+    b.add_argument("--prefill-buckets", type=_sizes, metavar="N,N,...",
+                   help=f"prefill chunk sizes in tokens (default: {','.join(map(str, DEFAULT_PREFILL_BUCKETS))})")
+    b.add_argument("--context-buckets", type=_sizes, metavar="N,N,...",
+                   help="KV cache capacities in tokens (default: "
+                        f"{','.join(map(str, DEFAULT_CONTEXT_BUCKETS))}, capped at max_position_embeddings)")
+    b.add_argument("--mcpu", help="LLVM CPU to compile for (default: this machine's CPU)")
+    b.add_argument("--force", action="store_true", help="rebuild even if the artifact is up to date")
+    b.add_argument("--quiet", action="store_true", help="no progress output")
+    args = parser.parse_args(argv)
+    try:
+        result = build(args.model_dir, target=args.target, out=args.out, prefill_buckets=args.prefill_buckets,
+                       context_buckets=args.context_buckets, mcpu=args.mcpu, force=args.force, quiet=args.quiet)
+    except RudaError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({"artifact": str(result.path), "reused": result.reused, "seconds": round(result.seconds, 2)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""`compiler build`: model directory -> IR -> scheduled kernels -> Relax VM module -> artifact directory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import tvm
+from tqdm import tqdm
+
+import models
+from ir import format_program, stable_hash, to_json
+from ir.errors import RudaError
+from models.checkpoint import check_tensors, scan_checkpoint
+from models.config import read_config_json
+from runtime.artifact import FORMAT, MANIFEST, MODULE, config_hash, default_artifact_dir
+from schedules import cpu
+
+from .lower import Buckets, kernel_signatures, lower_program
+from .target import cpu_target
+
+DEFAULT_PREFILL_BUCKETS = (16, 64, 256)
+DEFAULT_CONTEXT_BUCKETS = (512, 2048, 4096)
+_SOURCE_PACKAGES = ("ir", "models", "compiler", "schedules")
+
+
+class BuildError(RudaError):
+    """Bad build options."""
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    """Where the artifact is and whether it was reused unchanged."""
+
+    path: Path
+    reused: bool
+    seconds: float
+
+
+def code_hash() -> str:
+    """Hash of the compiler's own source, so a changed schedule or kernel invalidates old artifacts."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for pkg in _SOURCE_PACKAGES:
+        for path in sorted((root / pkg).glob("*.py")):
+            h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()
+
+
+def resolve_buckets(prefill: tuple[int, ...] | None, context: tuple[int, ...] | None, max_positions: int) -> Buckets:
+    """Validated buckets; context capacities above the model's max_position_embeddings are capped."""
+    prefill = tuple(sorted(set(prefill or DEFAULT_PREFILL_BUCKETS)))
+    if context is None:
+        context = tuple(c for c in DEFAULT_CONTEXT_BUCKETS if c <= max_positions) or (max_positions,)
+    context = tuple(sorted(set(context)))
+    for name, values in (("--prefill-buckets", prefill), ("--context-buckets", context)):
+        if not values or any(v <= 0 for v in values):
+            raise BuildError(f"{name} must be positive integers, got {list(values)}")
+    if context[-1] > max_positions:
+        raise BuildError(f"--context-buckets {context[-1]} exceeds the model's max_position_embeddings ({max_positions})")
+    if prefill[0] > context[0]:
+        raise BuildError(f"--context-buckets {context[0]} is smaller than the smallest prefill bucket {prefill[0]}; "
+                         "every KV cache must hold at least one prefill chunk")
+    return Buckets(prefill, context)
+
+
+def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None = None,
+          prefill_buckets: tuple[int, ...] | None = None, context_buckets: tuple[int, ...] | None = None,
+          mcpu: str | None = None, force: bool = False, quiet: bool = False) -> BuildResult:
+    """Compile a model directory into an artifact directory (reusing it when nothing changed)."""
+    start = time.perf_counter()
+    if target != "llvm":
+        raise BuildError(f"--target {target!r} is not supported; valid targets: llvm")
+    raw, config_path = read_config_json(model_dir)
+    config = models.parse_config(raw, str(config_path))
+    dtypes = check_tensors(scan_checkpoint(model_dir), models.checkpoint_shapes(config), model_dir)
+    program = models.build_program(config, dtypes)
+    buckets = resolve_buckets(prefill_buckets, context_buckets, config.max_position_embeddings)
+    cpu_tgt = cpu_target(mcpu)
+    out = Path(out) if out is not None else default_artifact_dir(model_dir, target)
+    manifest = {
+        "format": FORMAT,
+        "model_dir": str(Path(model_dir).resolve()),
+        "model_type": program.model_type,
+        "config_hash": config_hash(raw),
+        "ir_hash": stable_hash(program),
+        "target": cpu_tgt.describe(),
+        "buckets": {"prefill_tokens": list(buckets.prefill_tokens), "context": list(buckets.context)},
+        "tvm_version": tvm.__version__,
+        "code_hash": code_hash(),
+        "params": [{"name": p.name, "dtype": p.type.dtype, "shape": list(p.type.shape)} for p in program.params.values()],
+        "num_layers": config.num_hidden_layers,
+        "kv_width": config.num_key_value_heads * config.head_dim,
+        "vocab_size": config.vocab_size,
+        "functions": [name for name, _, _ in buckets.functions()],
+        "kernels": [sig.name for sig in kernel_signatures(program, buckets)],
+    }
+    if not force and _up_to_date(out, manifest):
+        return BuildResult(out, True, time.perf_counter() - start)
+
+    def schedule(kernel, kind):
+        kernel.func = cpu.schedule(kernel.func, kind, cpu_tgt.lanes)
+        return kernel
+
+    progress = (lambda it: it) if quiet else (lambda it: tqdm(it, desc="scheduling kernels", unit="kernel"))
+    module = lower_program(program, buckets, schedule, progress)
+    if not quiet:
+        print(f"compiling {len(manifest['kernels'])} kernels and {len(manifest['functions'])} step functions with LLVM "
+              f"for {cpu_tgt.mcpu}...", flush=True)
+    executable = tvm.compile(module, cpu_tgt.tvm_target())
+    _write_atomically(out, manifest, executable, program)
+    return BuildResult(out, False, time.perf_counter() - start)
+
+
+def _up_to_date(out: Path, manifest: dict) -> bool:
+    try:
+        old = json.loads((out / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return old == manifest and (out / MODULE).is_file()
+
+
+def _write_atomically(out: Path, manifest: dict, executable, program) -> None:
+    """Write into a temp dir beside `out`, then swap it in, so no half-built artifact is ever visible."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        executable.export_library(str(tmp / MODULE))
+        (tmp / "ir.json").write_text(to_json(program))
+        (tmp / "ir.txt").write_text(format_program(program) + "\n")
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)

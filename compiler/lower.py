@@ -1,0 +1,110 @@
+"""IR program -> one Relax module: a VM function per entry and shape bucket, calling scheduled kernels.
+
+Each function runs a whole step (every kernel of a prefill chunk or a decode step) in one call
+from Python; the VM plans intermediate memory once. Weights come in as one tuple argument.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import tvm
+from tvm import relax
+from tvm.ir import PrimType
+
+from ir import CONTEXT, OPS, TOKENS, Graph, Program, TensorType
+
+from .kernels import Kernel, make_kernel
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The shape specialisations built: prefill chunk sizes and KV cache capacities (tokens)."""
+
+    prefill_tokens: tuple[int, ...]
+    context: tuple[int, ...]
+
+    def functions(self) -> list[tuple[str, str, dict[str, int]]]:
+        """(VM function name, entry name, dim bindings) for every specialisation."""
+        out = [(f"decode_c{c}", "decode", {CONTEXT: c}) for c in self.context]
+        out += [(f"prefill_t{t}_c{c}", "prefill", {TOKENS: t, CONTEXT: c})
+                for c in self.context for t in self.prefill_tokens if t <= c]
+        return out
+
+
+@dataclass(frozen=True)
+class KernelSignature:
+    """An op kind with concrete input types and attributes: what one compiled kernel computes."""
+
+    kind: str
+    types: tuple[TensorType, ...]
+    attrs_json: str
+
+    @property
+    def name(self) -> str:
+        """A short unique kernel name."""
+        key = json.dumps([self.kind, [str(t) for t in self.types], self.attrs_json])
+        return f"{self.kind}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def _signature(graph: Graph, program: Program, op, dims: dict[str, int]) -> KernelSignature:
+    types = tuple((graph.types[v] if v in graph.types else program.params[v].type).bind(dims) for v in op.inputs)
+    return KernelSignature(op.kind, types, json.dumps(op.attrs, sort_keys=True))
+
+
+def kernel_signatures(program: Program, buckets: Buckets) -> list[KernelSignature]:
+    """Every distinct kernel the module needs, in first-use order."""
+    seen: dict[KernelSignature, None] = {}
+    for _, entry, dims in buckets.functions():
+        graph = program.entries[entry]
+        for op in graph.ops:
+            seen.setdefault(_signature(graph, program, op, dims))
+    return list(seen)
+
+
+def lower_program(program: Program, buckets: Buckets, schedule: Callable[[Kernel, str], Kernel],
+                  progress: Callable[[Iterable], Iterable] = iter) -> tvm.IRModule:
+    """The Relax module for all buckets; `schedule` turns each kernel into its target's form."""
+    bb = relax.BlockBuilder()
+    kernels = {}
+    for sig in progress(kernel_signatures(program, buckets)):
+        kernel = schedule(make_kernel(sig.kind, list(sig.types), json.loads(sig.attrs_json)), sig.kind)
+        kernels[sig] = (bb.add_func(kernel.func.with_attr("global_symbol", sig.name), sig.name), kernel.constants)
+    param_types = [p.type for p in program.params.values()]
+    for fn_name, entry, dims in buckets.functions():
+        _lower_entry(bb, fn_name, program, program.entries[entry], dims, kernels, param_types)
+    return bb.get()
+
+
+def _relax_type(t: TensorType):
+    return PrimType(t.dtype) if t.shape == () else relax.TensorType(list(t.shape), t.dtype)
+
+
+def _lower_entry(bb, fn_name, program, graph, dims, kernels, param_types) -> None:
+    inputs = [relax.Var(name, _relax_type(graph.types[name].bind(dims))) for name in graph.inputs]
+    weights = relax.Var("params", relax.TupleType([_relax_type(t) for t in param_types]))
+    with bb.function(fn_name, inputs + [weights]):
+        with bb.dataflow():
+            env = dict(zip(graph.inputs, inputs))
+            for i, name in enumerate(program.params):
+                env[name] = bb.emit(relax.TupleGetItem(weights, i))
+            for op in graph.ops:
+                gvar, constants = kernels[_signature(graph, program, op, dims)]
+                args = [env[v] for v in op.inputs] + [relax.const(c) for c in constants]
+                out_types = [_relax_type(graph.types[o].bind(dims)) for o in op.outputs]
+                inplace = OPS[op.kind].inplace
+                if inplace:
+                    call = relax.call_tir_inplace(gvar, args, list(inplace), out_types)
+                else:
+                    call = relax.call_tir(gvar, args, out_types)
+                result = bb.emit(call)
+                if len(op.outputs) == 1:
+                    env[op.outputs[0]] = result
+                else:
+                    for k, out in enumerate(op.outputs):
+                        env[out] = bb.emit(relax.TupleGetItem(result, k))
+            output = bb.emit_output(env[graph.outputs[0]])
+        bb.emit_func_output(output)

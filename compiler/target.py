@@ -1,0 +1,55 @@
+"""Compilation targets: the host CPU as LLVM sees it, and the SIMD width its schedules use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm.target import codegen
+
+from ir.errors import RudaError
+from runtime.cpu import CHECKED_FEATURES, host_cpu_flags
+
+TRIPLE = "x86_64-linux-gnu"
+
+
+class TargetError(RudaError):
+    """An unknown or unusable compilation target."""
+
+
+@dataclass(frozen=True)
+class CpuTarget:
+    """An LLVM CPU target: its CPU name, the features it relies on, and its float32 SIMD lanes."""
+
+    mcpu: str
+    features: tuple[str, ...]
+
+    @property
+    def lanes(self) -> int:
+        """float32 elements in one SIMD register."""
+        return 16 if "avx512f" in self.features else 8 if "avx2" in self.features else 4
+
+    def tvm_target(self) -> tvm.target.Target:
+        """The TVM target object."""
+        return tvm.target.Target({"kind": "llvm", "mtriple": TRIPLE, "mcpu": self.mcpu})
+
+    def describe(self) -> dict:
+        """JSON form for the manifest."""
+        return {"kind": "llvm", "mtriple": TRIPLE, "mcpu": self.mcpu, "features": list(self.features)}
+
+
+def cpu_target(mcpu: str | None = None) -> CpuTarget:
+    """The target for `mcpu` (default: this machine's CPU, limited to the features it really has)."""
+    name = mcpu or codegen.llvm_get_system_cpu()
+    if not codegen.llvm_is_valid_cpu(name, TRIPLE):
+        raise TargetError(f"--mcpu {name!r} is not a CPU LLVM knows; try e.g. x86-64-v3, skylake-avx512, znver4")
+    implied = set(codegen.llvm_get_cpu_features(tvm.target.Target({"kind": "llvm", "mtriple": TRIPLE, "mcpu": name})))
+    features = {f for f in CHECKED_FEATURES if f in implied}
+    if mcpu is None:
+        flags = host_cpu_flags()
+        missing = {f for f in features if CHECKED_FEATURES[f] not in flags}
+        if missing and flags:
+            raise TargetError(f"LLVM names this CPU {name!r}, but it lacks {sorted(missing)}; pass --mcpu with a CPU "
+                              "model this machine fully supports (e.g. x86-64-v3)")
+    return CpuTarget(name, tuple(sorted(features)))
+

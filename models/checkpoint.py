@@ -1,0 +1,120 @@
+"""The weight files of a model directory: which tensors, their dtypes and shapes, and where they lie.
+
+Reads safetensors headers only (no tensor data), for a single `model.safetensors` or a sharded
+set listed by `model.safetensors.index.json`, and checks every file and tensor a model needs.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from ir.errors import RudaError
+
+SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+ITEM_SIZE = {"F32": 4, "F16": 2, "BF16": 2}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+class CheckpointError(RudaError):
+    """A weight file is missing, corrupt, or does not hold the tensors the model needs."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies: file, byte range (absolute), dtype and shape."""
+
+    name: str
+    file: Path
+    start: int
+    end: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _read_header(path: Path) -> dict[str, TensorEntry]:
+    try:
+        with path.open("rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) != 8:
+                raise CheckpointError(f"{path}: too short to be a safetensors file; re-download it")
+            (n,) = struct.unpack("<Q", raw_len)
+            if n > _MAX_HEADER:
+                raise CheckpointError(f"{path}: header length {n} is implausible; the file is corrupt, re-download it")
+            header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{path}: safetensors header is not valid JSON; the file is corrupt, re-download it") from None
+    size = path.stat().st_size
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = info["data_offsets"]
+            dtype, shape = info["dtype"], tuple(int(d) for d in info["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: header entry for {name!r} is malformed; the file is corrupt") from None
+        if 8 + n + end > size or begin > end:
+            raise CheckpointError(f"{path}: tensor {name!r} lies beyond the end of the file; the file is truncated, re-download it")
+        entries[name] = TensorEntry(name, path, 8 + n + begin, 8 + n + end, dtype, shape)
+    return entries
+
+
+def _index_files(model_dir: Path) -> dict[str, Path]:
+    index = model_dir / INDEX_FILE
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        raise CheckpointError(f"{index}: not a valid index (needs a 'weight_map' object); restore it from the checkpoint") from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard files")
+    return {name: model_dir / shard for name, shard in weight_map.items()}
+
+
+def scan_checkpoint(model_dir: str | Path) -> dict[str, TensorEntry]:
+    """Every tensor of the checkpoint in `model_dir`, from `model.safetensors` or its sharded index."""
+    model_dir = Path(model_dir)
+    if (model_dir / SINGLE_FILE).is_file():
+        return _read_header(model_dir / SINGLE_FILE)
+    if not (model_dir / INDEX_FILE).is_file():
+        raise CheckpointError(f"{model_dir}: no {SINGLE_FILE} and no {INDEX_FILE}; copy the checkpoint's weight files there")
+    where = _index_files(model_dir)
+    headers: dict[Path, dict[str, TensorEntry]] = {}
+    for shard in sorted(set(where.values())):
+        if not shard.is_file():
+            raise CheckpointError(f"{shard}: shard listed in {INDEX_FILE} is missing; copy every shard of the checkpoint")
+        headers[shard] = _read_header(shard)
+    entries = {}
+    for name, shard in where.items():
+        if name not in headers[shard]:
+            raise CheckpointError(f"{shard}: does not hold tensor {name!r} that {INDEX_FILE} places there; the shard is wrong or corrupt")
+        entries[name] = headers[shard][name]
+    return entries
+
+
+def check_tensors(entries: dict[str, TensorEntry], shapes: dict[str, tuple[int, ...]], model_dir: str | Path) -> dict[str, str]:
+    """Check every needed tensor is present with the right shape and a float dtype; returns name -> dtype."""
+    dtypes = {}
+    for name, shape in shapes.items():
+        entry = entries.get(name)
+        if entry is None:
+            raise CheckpointError(f"{model_dir}: tensor {name!r} is missing from the checkpoint; "
+                                  "the weights do not match config.json")
+        if entry.dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{entry.file}: tensor {name!r} has dtype {entry.dtype}; "
+                                  f"supported: {', '.join(SAFETENSORS_DTYPES)}")
+        if entry.shape != tuple(shape):
+            raise CheckpointError(f"{entry.file}: tensor {name!r} has shape {list(entry.shape)}, config.json implies "
+                                  f"{list(shape)}; the weights do not match config.json")
+        count = 1
+        for d in shape:
+            count *= d
+        if entry.end - entry.start != count * ITEM_SIZE[entry.dtype]:
+            raise CheckpointError(f"{entry.file}: tensor {name!r} spans {entry.end - entry.start} bytes, not the "
+                                  f"{count * ITEM_SIZE[entry.dtype]} its shape and dtype need; the file is corrupt")
+        dtypes[name] = SAFETENSORS_DTYPES[entry.dtype]
+    return dtypes

@@ -1,0 +1,456 @@
+"""Tiny random-weight Llama and Qwen2 checkpoints in the exact Hugging Face layout, for tests.
+
+`write_tiny_checkpoint` writes config.json, safetensors weights (single file or sharded with
+an index), a byte-level BPE tokenizer trained on a small embedded corpus (tokenizer.json,
+tokenizer_config.json) and generation_config.json. Everything is deterministic in `seed`.
+Weights are scaled so that logits have a clear top-1 margin, which keeps greedy decoding
+comparable token by token across implementations.
+
+CLI: python -m models.tiny OUT_DIR [--arch qwen2|llama] [--seed N] [--dtype D] [--shards N] [--overwrite]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import zlib
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from models import checkpoint_tensor_shapes
+
+ARCHS = ("qwen2", "llama")
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+_QWEN2_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_LLAMA_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+
+# Pre-tokenizer split patterns of Qwen2 and Llama 3 (they differ only in how digits group).
+_QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+_LLAMA3_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+# The chat template of Qwen2.5-Instruct, verbatim.
+_QWEN2_CHAT_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
+# The chat template of Meta-Llama-3-8B-Instruct, verbatim.
+_LLAMA3_CHAT_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim"
+    " + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+# Training text for the BPE tokenizer: varied English prose, code, digits and punctuation.
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs!
+On a cold morning in early March, the harbour was quiet except for the gulls. Fishermen mended
+their nets, and a small boat named "Aurora" drifted slowly past the lighthouse at 6:45 a.m.
+Nobody knew where it had come from, or who had left the lantern burning at its bow.
+
+Mathematics is the language of patterns: 1 + 1 = 2, 3 * 4 = 12, and 2^10 = 1024. The number pi
+is approximately 3.14159, while e is about 2.71828. In 1969, humans first walked on the Moon;
+by 2024, more than 500 people had travelled to space. Prices rose 7.5% last year (from $19.99
+to $21.49), and the report listed items #17, #42 and #108 as "out of stock".
+
+Dear Sam, thank you for your letter of 12/05. I'm glad the garden is doing well - the tomatoes,
+beans and sunflowers sound wonderful. We'll visit in June, if the weather allows. Don't forget
+to water the roses; they've never liked the heat. Best wishes, Alex.
+
+def greet(name: str) -> str:
+    return f"Hello, {name}!"
+
+for i in range(10):
+    print(i, i ** 2, [x for x in range(i) if x % 2 == 0])
+
+Questions to consider: What is a model? How does a compiler turn a graph into fast code? Why do
+caches, tiles and vectors matter? Answers vary, but the ideas are simple - reuse data, avoid
+waste, and measure everything. "Premature optimization is the root of all evil," said Knuth.
+
+Weather report: Monday, sunny, 21C; Tuesday, light rain, 17C; Wednesday, wind from the north-west
+at 35 km/h. Train 4512 departs at 08:15 from platform 9 and arrives at 11:02. Call 555-0199 or
+write to info@example.com for tickets. Remember: A, B, C... X, Y, Z; 0, 1, 2, 3, 4, 5, 6, 7, 8, 9.
+
+She said, 'It's not about the destination; it's about the journey.' He laughed and replied that
+he'd rather just arrive. They walked on through the forest, past old oak trees and mossy stones,
+until the path opened onto a wide, green valley where sheep grazed beside a silver river.
+"""
+
+_MAX_SHARDS = 99999
+EMBED_STD = 0.1
+
+
+def _specials(arch: str) -> tuple[str, ...]:
+    return _QWEN2_SPECIALS if arch == "qwen2" else _LLAMA_SPECIALS
+
+
+def special_token_ids(arch: str, vocab_size: int) -> dict[str, int]:
+    """Special token -> id; as in the real checkpoints, the special tokens follow the BPE vocab."""
+    specials = _specials(arch)
+    return {token: vocab_size - len(specials) + i for i, token in enumerate(specials)}
+
+
+def build_tokenizer(arch: str, vocab_size: int) -> Tokenizer:
+    """A deterministic byte-level BPE tokenizer for `arch` with exactly `vocab_size` tokens."""
+    specials = _specials(arch)
+    bpe_size = vocab_size - len(specials)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if bpe_size < len(alphabet):
+        raise ValueError(f"vocab_size must be >= {len(alphabet) + len(specials)} for {arch} (256 bytes + specials)")
+    qwen2 = arch == "qwen2"
+    tokenizer = Tokenizer(models.BPE(fuse_unk=False, byte_fallback=False, ignore_merges=not qwen2))
+    if qwen2:
+        tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT if qwen2 else _LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=not qwen2, use_regex=False),
+        ]
+    )
+    trainer = trainers.BpeTrainer(vocab_size=bpe_size, initial_alphabet=alphabet, show_progress=False)
+    tokenizer.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
+    if tokenizer.get_vocab_size() != bpe_size:
+        raise ValueError(
+            f"vocab_size {vocab_size} is too large for the embedded corpus; at most "
+            f"{tokenizer.get_vocab_size() + len(specials)} is supported"
+        )
+    tokenizer.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    assert {s: tokenizer.token_to_id(s) for s in specials} == special_token_ids(arch, vocab_size)
+    if qwen2:
+        tokenizer.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+        tokenizer.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    else:
+        bos = specials[0]
+        tokenizer.post_processor = processors.Sequence(
+            [
+                processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True),
+                processors.TemplateProcessing(
+                    single=f"{bos}:0 $A:0",
+                    pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                    special_tokens=[(bos, tokenizer.token_to_id(bos))],
+                ),
+            ]
+        )
+        tokenizer.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
+    return tokenizer
+
+
+def tiny_config(
+    arch: str = "qwen2",
+    *,
+    dtype: str = "float32",
+    hidden_size: int = 64,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int = 128,
+    vocab_size: int = 320,
+    head_dim: int | None = None,
+    tie_word_embeddings: bool | None = None,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict | None = None,
+    max_position_embeddings: int = 2048,
+    rms_norm_eps: float = 1e-6,
+) -> dict:
+    """The config.json dict of a tiny `arch` model, laid out as the Hugging Face checkpoints have it."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    ids = special_token_ids(arch, vocab_size)
+    config = {
+        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "model_type": arch,
+        "hidden_act": "silu",
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_hidden_layers,
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": rms_norm_eps,
+        "rope_theta": rope_theta,
+        "tie_word_embeddings": (arch == "qwen2") if tie_word_embeddings is None else tie_word_embeddings,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": dtype,
+    }
+    if head_dim is not None:
+        config["head_dim"] = head_dim
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    if arch == "qwen2":
+        config |= {
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "use_sliding_window": False,
+            "sliding_window": max_position_embeddings,
+            "max_window_layers": num_hidden_layers,
+        }
+    else:
+        config |= {
+            "bos_token_id": ids["<|begin_of_text|>"],
+            "eos_token_id": [ids["<|end_of_text|>"], ids["<|eot_id|>"]],
+            "attention_bias": False,
+            "mlp_bias": False,
+            "pretraining_tp": 1,
+        }
+    return dict(sorted(config.items()))
+
+
+def random_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random tensors for every checkpoint tensor of `config`, in its dtype, deterministic in `seed`.
+
+    Each tensor draws from its own generator seeded by (seed, name), so its values do not depend on
+    which other tensors exist. Linear weights ~ N(0, 1/fan_in), biases ~ 0.1 N(0, 1), layer norm
+    weights ~ 1 + 0.1 N(0, 1). Embeddings and lm_head ~ N(0, EMBED_STD^2) keep a token's own
+    embedding from dominating the residual stream (with tied embeddings it would make greedy
+    decoding repeat the input token); the final norm is scaled by 1 / EMBED_STD so that logits
+    still have a standard deviation of about sqrt(hidden_size) and a clear top-1 margin.
+    """
+    dtype = DTYPES[config["torch_dtype"]]
+    weights = {}
+    for name, shape in checkpoint_tensor_shapes(config).items():
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        x = rng.standard_normal(shape, dtype=np.float32)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            x = x * EMBED_STD
+        elif name == "model.norm.weight":
+            x = (1.0 + 0.1 * x) / EMBED_STD
+        elif name.endswith("layernorm.weight"):
+            x = 1.0 + 0.1 * x
+        elif name.endswith("_proj.bias"):
+            x = 0.1 * x
+        elif name.endswith("_proj.weight"):
+            x = x / np.sqrt(shape[1], dtype=np.float32)
+        else:
+            raise ValueError(f"no initialisation rule for checkpoint tensor {name!r}")
+        weights[name] = x.astype(dtype)
+    return weights
+
+
+def _shard_of_each(sizes: list[int], shards: int) -> list[int]:
+    """Shard index per tensor: contiguous, non-empty, roughly byte-balanced groups."""
+    total, count, shard, before, out = sum(sizes), len(sizes), 0, 0, []
+    for i, size in enumerate(sizes):
+        by_bytes = before * shards // total
+        shard = min(max(shard, by_bytes, shards - (count - i)), shard + 1)
+        out.append(shard)
+        before += size
+    return out
+
+
+def save_weights(weights: dict[str, np.ndarray], out_dir: Path, shards: int = 1) -> None:
+    """Write `weights` as model.safetensors, or as `shards` files plus model.safetensors.index.json."""
+    if not 1 <= shards <= min(len(weights), _MAX_SHARDS):
+        raise ValueError(f"shards must be between 1 and {min(len(weights), _MAX_SHARDS)}, got {shards}")
+    metadata = {"format": "pt"}
+    if shards == 1:
+        save_file(weights, str(out_dir / "model.safetensors"), metadata=metadata)
+        return
+    names = list(weights)
+    assignment = _shard_of_each([weights[n].nbytes for n in names], shards)
+    files = [f"model-{k + 1:05d}-of-{shards:05d}.safetensors" for k in range(shards)]
+    for k, file in enumerate(files):
+        save_file({n: weights[n] for n, s in zip(names, assignment) if s == k}, str(out_dir / file), metadata=metadata)
+    index = {
+        "metadata": {
+            "total_parameters": sum(w.size for w in weights.values()),
+            "total_size": sum(w.nbytes for w in weights.values()),
+        },
+        "weight_map": {n: files[s] for n, s in sorted(zip(names, assignment))},
+    }
+    _write_json(out_dir / "model.safetensors.index.json", index)
+
+
+def tokenizer_config(arch: str, vocab_size: int, model_max_length: int) -> dict:
+    """The tokenizer_config.json dict that goes with `build_tokenizer(arch, vocab_size)`."""
+    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+    specials = special_token_ids(arch, vocab_size)
+    common = {
+        "added_tokens_decoder": {str(i): {"content": s, **flags} for s, i in specials.items()},
+        "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"],
+        "model_max_length": model_max_length,
+    }
+    if arch == "qwen2":
+        return common | {
+            "add_bos_token": False,
+            "add_prefix_space": False,
+            "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+            "bos_token": None,
+            "chat_template": _QWEN2_CHAT_TEMPLATE,
+            "eos_token": "<|im_end|>",
+            "errors": "replace",
+            "pad_token": "<|endoftext|>",
+            "split_special_tokens": False,
+            "tokenizer_class": "Qwen2Tokenizer",
+            "unk_token": None,
+        }
+    return common | {
+        "bos_token": "<|begin_of_text|>",
+        "chat_template": _LLAMA3_CHAT_TEMPLATE,
+        "eos_token": "<|eot_id|>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+
+
+def generation_config(config: dict) -> dict:
+    """The generation_config.json dict: the arch's bos/eos/pad ids, greedy by default."""
+    ids = special_token_ids(config["model_type"], config["vocab_size"])
+    if config["model_type"] == "qwen2":
+        endoftext = ids["<|endoftext|>"]
+        return {"bos_token_id": endoftext, "eos_token_id": [ids["<|im_end|>"], endoftext], "pad_token_id": endoftext}
+    return {"bos_token_id": ids["<|begin_of_text|>"], "eos_token_id": [ids["<|end_of_text|>"], ids["<|eot_id|>"]]}
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def write_tiny_checkpoint(
+    out_dir: str | os.PathLike,
+    *,
+    arch: str = "qwen2",
+    seed: int = 0,
+    dtype: str = "float32",
+    shards: int = 1,
+    overwrite: bool = False,
+    hidden_size: int = 64,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int = 128,
+    vocab_size: int = 320,
+    head_dim: int | None = None,
+    tie_word_embeddings: bool | None = None,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict | None = None,
+    max_position_embeddings: int = 2048,
+    rms_norm_eps: float = 1e-6,
+) -> Path:
+    """Write a tiny random `arch` checkpoint (config, weights, tokenizer) to `out_dir` atomically; return its path."""
+    out = Path(out_dir).resolve()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"{out}: directory exists and is not empty; pass overwrite=True (--overwrite) to replace it")
+    config = tiny_config(
+        arch, dtype=dtype, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+        intermediate_size=intermediate_size, vocab_size=vocab_size, head_dim=head_dim,
+        tie_word_embeddings=tie_word_embeddings, rope_theta=rope_theta, rope_scaling=rope_scaling,
+        max_position_embeddings=max_position_embeddings, rms_norm_eps=rms_norm_eps,
+    )
+    tokenizer = build_tokenizer(arch, vocab_size)
+    weights = random_weights(config, seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        staging.chmod(0o755)
+        _write_json(staging / "config.json", config)
+        _write_json(staging / "generation_config.json", generation_config(config))
+        save_weights(weights, staging, shards)
+        tokenizer.save(str(staging / "tokenizer.json"))
+        _write_json(staging / "tokenizer_config.json", tokenizer_config(arch, vocab_size, max_position_embeddings))
+        _replace_dir(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Rename `new` to `target`, removing whatever directory was at `target`."""
+    if not target.exists():
+        new.rename(target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+    target.rename(old / target.name)
+    new.rename(target)
+    shutil.rmtree(old)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line: write a tiny checkpoint and print its path."""
+    parser = argparse.ArgumentParser(prog="python -m models.tiny", description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path, help="directory to create (must be absent or empty)")
+    parser.add_argument("--arch", choices=ARCHS, default="qwen2")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    parser.add_argument("--shards", type=int, default=1, help="number of safetensors files (default 1)")
+    parser.add_argument("--overwrite", action="store_true", help="replace out_dir if it exists")
+    args = parser.parse_args(argv)
+    try:
+        path = write_tiny_checkpoint(
+            args.out_dir, arch=args.arch, seed=args.seed, dtype=args.dtype, shards=args.shards, overwrite=args.overwrite
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

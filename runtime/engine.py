@@ -1,0 +1,124 @@
+"""A compiled model ready to run: artifact checks, weights, KV caches, prefill and decode steps."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tvm
+import tvm_ffi
+from tvm import relax
+
+import models
+from ir import stable_hash
+from ir.errors import RudaError
+from models.checkpoint import check_tensors, scan_checkpoint
+from models.config import read_config_json
+
+from .cpu import missing_host_features
+from .artifact import MODULE, ArtifactError, build_command, config_hash, default_artifact_dir, read_manifest
+from .weights import load_tensors
+
+TARGET = "llvm"
+
+
+class GenerationError(RudaError):
+    """A request the loaded model cannot serve (too long for its buckets, ids out of range)."""
+
+
+@dataclass
+class KVCache:
+    """One sequence's keys and values for every layer, at one capacity bucket."""
+
+    tensors: list[tvm.runtime.Tensor]
+    capacity: int
+    length: int = 0
+
+
+class CompiledModel:
+    """A model directory's weights bound to its prebuilt artifact."""
+
+    def __init__(self, model_dir: str | Path, artifact: str | Path | None = None):
+        start = time.perf_counter()
+        self.model_dir = Path(model_dir)
+        raw, config_path = read_config_json(model_dir)
+        self.config = models.parse_config(raw, str(config_path))
+        self.artifact = Path(artifact) if artifact is not None else default_artifact_dir(model_dir, TARGET)
+        self.manifest = read_manifest(self.artifact, model_dir, TARGET)
+        entries = scan_checkpoint(model_dir)
+        dtypes = check_tensors(entries, models.checkpoint_shapes(self.config), model_dir)
+        self._check_manifest(raw, stable_hash(models.build_program(self.config, dtypes)))
+        self.device = tvm.cpu()
+        self._vm = relax.VirtualMachine(tvm.runtime.load_module(str(self.artifact / MODULE)), self.device)
+        self._functions = {name: self._vm[name] for name in self.manifest["functions"]}
+        names = [p["name"] for p in self.manifest["params"]]
+        self._params = tvm_ffi.Array(load_tensors(entries, names, self.device))
+        self.prefill_buckets = tuple(self.manifest["buckets"]["prefill_tokens"])
+        self.context_buckets = tuple(self.manifest["buckets"]["context"])
+        self.load_seconds = time.perf_counter() - start
+
+    def _check_manifest(self, raw_config: dict, ir_hash: str) -> None:
+        m, rebuild = self.manifest, build_command(self.model_dir, TARGET) + " --force"
+        if m["model_type"] != self.config.model_type or m["config_hash"] != config_hash(raw_config):
+            raise ArtifactError(f"{self.artifact} was built for another model or config.json "
+                                f"({m['model_dir']}); rebuild: {rebuild}")
+        if m["tvm_version"] != tvm.__version__:
+            raise ArtifactError(f"{self.artifact} was built with TVM {m['tvm_version']}, this is TVM {tvm.__version__}; "
+                                f"rebuild: {rebuild}")
+        if m["target"]["kind"] != TARGET:
+            raise ArtifactError(f"{self.artifact} targets {m['target']['kind']}, not {TARGET}; rebuild: {rebuild}")
+        missing = missing_host_features(m["target"]["features"])
+        if missing:
+            raise ArtifactError(f"{self.artifact} was compiled for CPU {m['target']['mcpu']!r}, which uses {missing} "
+                                f"that this machine lacks; rebuild here: {rebuild}")
+        if m["ir_hash"] != ir_hash:
+            raise ArtifactError(f"{self.artifact} does not match the weights in {self.model_dir} (tensor dtypes or "
+                                f"shapes changed); rebuild: {rebuild}")
+
+    @property
+    def max_context(self) -> int:
+        """The most tokens (prompt + generated) one sequence can hold."""
+        return self.context_buckets[-1]
+
+    def new_cache(self, tokens: int) -> KVCache:
+        """An empty KV cache of the smallest capacity bucket that holds `tokens` tokens."""
+        fitting = [c for c in self.context_buckets if c >= tokens]
+        if not fitting:
+            raise GenerationError(f"{tokens} tokens (prompt + new tokens) exceed the largest context bucket "
+                                  f"{self.max_context}; shorten the request or rebuild with a larger "
+                                  f"--context-buckets (up to max_position_embeddings {self.config.max_position_embeddings})")
+        shape = (fitting[0], self.manifest["kv_width"])
+        tensors = [tvm.runtime.empty(shape, "float32", self.device) for _ in range(2 * self.manifest["num_layers"])]
+        return KVCache(tensors, fitting[0])
+
+    def forward(self, token_ids: list[int], cache: KVCache) -> np.ndarray:
+        """Append tokens to the sequence in `cache`; the logits after the last one (float32, vocab)."""
+        if not token_ids:
+            raise GenerationError("no tokens to run; the prompt encodes to an empty sequence")
+        if cache.length + len(token_ids) > cache.capacity:
+            raise GenerationError(f"sequence of {cache.length + len(token_ids)} tokens exceeds its KV cache capacity "
+                                  f"{cache.capacity}; create the cache for the whole request")
+        bad = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise GenerationError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.config.vocab_size - 1})")
+        if len(token_ids) == 1:
+            return self._run(f"decode_c{cache.capacity}", token_ids, 1, cache)
+        done, logits = 0, None
+        while done < len(token_ids):
+            rest = len(token_ids) - done
+            usable = [t for t in self.prefill_buckets if t <= cache.capacity]
+            chunk = next((t for t in usable if t >= rest), usable[-1])
+            part = token_ids[done:done + chunk]
+            logits = self._run(f"prefill_t{chunk}_c{cache.capacity}", part, chunk, cache)
+            done += len(part)
+        return logits
+
+    def _run(self, function: str, ids: list[int], padded: int, cache: KVCache) -> np.ndarray:
+        buf = np.zeros(padded, dtype=np.int32)
+        buf[:len(ids)] = ids
+        out = self._functions[function](tvm.runtime.tensor(buf, self.device), cache.length, len(ids),
+                                        *cache.tensors, self._params)
+        cache.length += len(ids)
+        return out.numpy()[0]
