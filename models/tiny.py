@@ -136,8 +136,8 @@ he'd rather just arrive. They walked on through the forest, past old oak trees a
 until the path opened onto a wide, green valley where sheep grazed beside a silver river.
 """
 
-_MAX_SHARDS = 99999
-EMBED_STD = 0.1
+_MAX_SHARDS = 99999  # shard file names have five digits
+EMBED_STD = 0.1  # std of embeddings and lm_head; see random_weights
 
 
 def _specials(arch: str) -> tuple[str, ...]:
@@ -176,9 +176,9 @@ def build_tokenizer(arch: str, vocab_size: int) -> Tokenizer:
         )
     tokenizer.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     assert {s: tokenizer.token_to_id(s) for s in specials} == special_token_ids(arch, vocab_size)
+    tokenizer.decoder = decoders.ByteLevel()
     if qwen2:
         tokenizer.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-        tokenizer.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     else:
         bos = specials[0]
         tokenizer.post_processor = processors.Sequence(
@@ -191,7 +191,6 @@ def build_tokenizer(arch: str, vocab_size: int) -> Tokenizer:
                 ),
             ]
         )
-        tokenizer.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
     return tokenizer
 
 

@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny generated checkpoints and their compiled artifacts, made once per session."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from compiler.build import build  # noqa: E402
+from models.tiny import write_tiny_checkpoint  # noqa: E402
+
+# Small buckets keep the suite fast; the 24-token prompts of the tests span two prefill chunks.
+TEST_BUCKETS = {"prefill_tokens": (8, 16), "context": (64, 128)}
+
+
+@pytest.fixture(scope="session")
+def tiny_factory(tmp_path_factory):
+    """Make (and cache) a tiny checkpoint + artifact for a set of generator options."""
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def make(**options) -> tuple[Path, Path]:
+        key = json.dumps(options, sort_keys=True)
+        if key not in made:
+            root = tmp_path_factory.mktemp("tiny")
+            model_dir = write_tiny_checkpoint(root / "model", **options)
+            result = build(model_dir, out=root / "artifact", prefill_buckets=TEST_BUCKETS["prefill_tokens"],
+                           context_buckets=TEST_BUCKETS["context"], quiet=True)
+            made[key] = (model_dir, result.path)
+        return made[key]
+
+    return make

@@ -1,0 +1,118 @@
+"""Every op's kernel, compiled for this CPU with its schedule, against the numpy reference."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+
+import numpy_reference as ref
+from compiler.kernels import KERNELS, make_kernel
+from compiler.target import cpu_target
+from ir import OPS, TensorType, infer_types
+from schedules import cpu
+
+TARGET = cpu_target()
+RNG = np.random.default_rng(0)
+NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "int32": np.int32}
+
+
+def run_kernel(kind: str, inputs: list, attrs: dict) -> list[np.ndarray]:
+    """Compile `kind` for these inputs (arrays, or ints for scalars) and return its outputs."""
+    types = [TensorType((), "int32") if isinstance(x, int) else TensorType(x.shape, str(x.dtype)) for x in inputs]
+    kernel = make_kernel(kind, types, attrs)
+    func = cpu.schedule(kernel.func, kind, TARGET.lanes)
+    lib = tvm.compile(func, TARGET.tvm_target())
+    dev = tvm.cpu()
+    args = [x if isinstance(x, int) else tvm.runtime.tensor(x, dev) for x in inputs]
+    args += [tvm.runtime.tensor(c, dev) for c in kernel.constants]
+    inplace = OPS[kind].inplace
+    outs = [] if inplace else [tvm.runtime.empty(t.shape, t.dtype, dev) for t in infer_types(kind, types, attrs)]
+    lib["main"](*args, *outs)
+    return [args[i].numpy() for i in inplace] if inplace else [o.numpy() for o in outs]
+
+
+def rand(*shape, dtype="float32", scale=1.0):
+    return (RNG.standard_normal(shape) * scale).astype(NP_DTYPES[dtype])
+
+
+def close(got, want, tol=2e-5):
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(1.0, float(np.abs(want).max())))
+
+
+def test_every_op_has_a_kernel():
+    assert set(KERNELS) == set(OPS)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_embedding(dtype, rows):
+    table = rand(50, 24, dtype=dtype)
+    ids = RNG.integers(0, 50, rows).astype(np.int32)
+    close(run_kernel("embedding", [table, ids], {})[0], ref.embedding(table, ids))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 48), (3, 20)])
+def test_rms_norm(dtype, rows, hidden):
+    x, w = rand(rows, hidden), rand(hidden, dtype=dtype)
+    close(run_kernel("rms_norm", [x, w], {"eps": 1e-5})[0], ref.rms_norm(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (6, 40)])
+def test_add_rms_norm(rows, hidden):
+    x, r, w = rand(rows, hidden), rand(rows, hidden), rand(hidden)
+    s, y = run_kernel("add_rms_norm", [x, r, w], {"eps": 1e-6})
+    want_s, want_y = ref.add_rms_norm(x, r, w, 1e-6)
+    close(s, want_s)
+    close(y, want_y)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 48), (9, 32, 20), (4, 40, 16)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear(dtype, rows, k, n, bias):
+    inputs = [rand(rows, k), rand(n, k, dtype=dtype, scale=k ** -0.5)] + ([rand(n, dtype=dtype)] if bias else [])
+    close(run_kernel("linear", inputs, {})[0], ref.linear(*inputs), tol=1e-4)
+
+
+@pytest.mark.parametrize("pos", [0, 37])
+@pytest.mark.parametrize("head_dim,rotary", [(16, 16), (32, 8)])
+def test_rope(pos, head_dim, rotary):
+    x = rand(5, 3 * head_dim)
+    inv_freq = [1.0 / 10000 ** (2 * i / rotary) for i in range(rotary // 2)]
+    attrs = {"head_dim": head_dim, "inv_freq": inv_freq}
+    close(run_kernel("rope", [x, pos], attrs)[0], ref.rope(x, pos, head_dim, inv_freq), tol=1e-4)
+
+
+@pytest.mark.parametrize("pos,n", [(0, 4), (10, 2), (28, 4)])
+def test_kv_append_writes_only_valid_rows(pos, n):
+    cache, new = rand(32, 24), rand(4, 24)
+    close(run_kernel("kv_append", [cache, new, pos, n], {})[0], ref.kv_append(cache, new, pos, n))
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("rows,pos,n", [(1, 0, 1), (1, 20, 1), (8, 0, 8), (8, 5, 6)])
+def test_attention(heads, kv_heads, rows, pos, n):
+    head_dim, ctx = 16, 32
+    q, k, v = rand(rows, heads * head_dim), rand(ctx, kv_heads * head_dim), rand(ctx, kv_heads * head_dim)
+    attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "scale": 1 / math.sqrt(head_dim)}
+    got = run_kernel("attention", [q, k, v, pos, n], attrs)[0]
+    want = ref.attention(q, k, v, pos, n, **attrs)
+    close(got[:n], want[:n], tol=1e-4)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 128), (5, 40)])
+def test_silu_mul_and_add(rows, width):
+    a, b = rand(rows, width), rand(rows, width)
+    close(run_kernel("silu_mul", [a, b], {})[0], ref.silu_mul(a, b))
+    close(run_kernel("add", [a, b], {})[0], ref.add(a, b))
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_take_last(n):
+    x = rand(8, 16)
+    close(run_kernel("take_last", [x, n], {})[0], ref.take_last(x, n))
