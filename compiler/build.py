@@ -85,7 +85,7 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
     out = Path(out) if out is not None else default_artifact_dir(model_dir, target)
     manifest = {
         "format": FORMAT,
-        "model_dir": str(Path(model_dir).resolve()),
+        "built_from": str(Path(model_dir).resolve()),
         "model_type": program.model_type,
         "config_hash": config_hash(raw),
         "ir_hash": stable_hash(program),
@@ -122,7 +122,9 @@ def _up_to_date(out: Path, manifest: dict) -> bool:
         old = json.loads((out / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return False
-    return old == manifest and (out / MODULE).is_file()
+    informational = ("built_from",)
+    same = all(old.get(k) == v for k, v in manifest.items() if k not in informational)
+    return same and set(old) == set(manifest) and (out / MODULE).is_file()
 
 
 def _write_atomically(out: Path, manifest: dict, executable, program) -> None:

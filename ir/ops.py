@@ -74,6 +74,7 @@ def _rope(ins, attrs):
     _act(x, 2, "rope input")
     _scalar(pos, "rope pos")
     head_dim, inv_freq = attrs["head_dim"], attrs["inv_freq"]
+    _check(isinstance(head_dim, int) and head_dim > 0, f"rope head_dim must be a positive int, got {head_dim!r}")
     _check(x.shape[1] % head_dim == 0, f"rope features {x.shape[1]} not a multiple of head_dim {head_dim}")
     _check(0 < 2 * len(inv_freq) <= head_dim, f"rope rotates {2 * len(inv_freq)} of {head_dim} dims")
     return [x]
@@ -92,11 +93,13 @@ def _kv_append(ins, attrs):
 def _attention(ins, attrs):
     q, k, v, pos, n = ins
     heads, kv_heads, head_dim = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
+    _check(all(isinstance(v, int) and v > 0 for v in (heads, kv_heads, head_dim)),
+           f"attention heads, kv heads and head_dim must be positive ints, got {heads!r}, {kv_heads!r}, {head_dim!r}")
     _act(q, 2, "attention query")
     _check(q.shape[1] == heads * head_dim, f"attention query {q} is not {heads} heads of {head_dim}")
     _check(heads % kv_heads == 0, f"{heads} heads do not group over {kv_heads} kv heads")
     for cache, what in ((k, "key"), (v, "value")):
-        _check(cache.dtype == "float32" and cache.shape[1] == kv_heads * head_dim,
+        _check(cache.dtype == "float32" and len(cache.shape) == 2 and cache.shape[1] == kv_heads * head_dim,
                f"attention {what} cache {cache} is not {kv_heads} heads of {head_dim}")
     _check(k.shape == v.shape, f"key cache {k} and value cache {v} differ")
     _scalar(pos, "attention pos")

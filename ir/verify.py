@@ -14,6 +14,8 @@ def verify_graph(graph: Graph, program: Program) -> None:
     for name in graph.inputs:
         if name in defined:
             raise IRError(f"{where}: input {name!r} shadows a param or another input")
+        if name not in graph.types:
+            raise IRError(f"{where}: input {name!r} has no declared type")
         defined.add(name)
     for op in graph.ops:
         for v in op.inputs:

@@ -57,10 +57,13 @@ def read_decoder_config(cfg: ConfigReader, model_type: str, *, qkv_bias: bool, t
         head_dim = hidden // heads
     if head_dim % 2:
         raise cfg.error("head_dim", f"must be even for rotary embeddings, got {head_dim}")
+    if cfg.float("partial_rotary_factor", 1.0) != 1.0:
+        raise cfg.error("partial_rotary_factor", "must be 1.0; Llama-style decoders rotate the whole head")
     theta, scaling = read_rope(cfg)
-    dtype = cfg.get("torch_dtype", cfg.get("dtype", "float32"))
+    dtype_field = "torch_dtype" if cfg.raw.get("torch_dtype") is not None else "dtype"  # transformers v5 writes "dtype"
+    dtype = cfg.get(dtype_field, "float32")
     if dtype not in PARAM_DTYPES:
-        raise cfg.error("torch_dtype", f"is {dtype!r}; supported: {', '.join(PARAM_DTYPES)}")
+        raise cfg.error(dtype_field, f"is {dtype!r}; supported: {', '.join(PARAM_DTYPES)}")
     eos = cfg.get("eos_token_id", [])
     eos = [eos] if isinstance(eos, int) else eos
     if not isinstance(eos, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):

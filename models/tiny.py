@@ -370,39 +370,22 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def write_tiny_checkpoint(
-    out_dir: str | os.PathLike,
+    out_dir: str | Path,
     *,
     arch: str = "qwen2",
     seed: int = 0,
-    dtype: str = "float32",
     shards: int = 1,
     overwrite: bool = False,
-    hidden_size: int = 64,
-    num_hidden_layers: int = 2,
-    num_attention_heads: int = 4,
-    num_key_value_heads: int = 2,
-    intermediate_size: int = 128,
-    vocab_size: int = 320,
-    head_dim: int | None = None,
-    tie_word_embeddings: bool | None = None,
-    rope_theta: float = 10000.0,
-    rope_scaling: dict | None = None,
-    max_position_embeddings: int = 2048,
-    rms_norm_eps: float = 1e-6,
+    **config_options,
 ) -> Path:
-    """Write a tiny random `arch` checkpoint (config, weights, tokenizer) to `out_dir` atomically; return its path."""
+    """Write a tiny random `arch` checkpoint (config as `tiny_config` takes it, weights, tokenizer) to `out_dir` atomically."""
     out = Path(out_dir).resolve()
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"{out}: directory exists and is not empty; pass overwrite=True (--overwrite) to replace it")
-    config = tiny_config(
-        arch, dtype=dtype, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
-        intermediate_size=intermediate_size, vocab_size=vocab_size, head_dim=head_dim,
-        tie_word_embeddings=tie_word_embeddings, rope_theta=rope_theta, rope_scaling=rope_scaling,
-        max_position_embeddings=max_position_embeddings, rms_norm_eps=rms_norm_eps,
-    )
+    config = tiny_config(arch, **config_options)
+    vocab_size = config["vocab_size"]
     tokenizer = build_tokenizer(arch, vocab_size)
     weights = random_weights(config, seed)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -413,7 +396,7 @@ def write_tiny_checkpoint(
         _write_json(staging / "generation_config.json", generation_config(config))
         save_weights(weights, staging, shards)
         tokenizer.save(str(staging / "tokenizer.json"))
-        _write_json(staging / "tokenizer_config.json", tokenizer_config(arch, vocab_size, max_position_embeddings))
+        _write_json(staging / "tokenizer_config.json", tokenizer_config(arch, vocab_size, config["max_position_embeddings"]))
         _replace_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -63,7 +63,7 @@ class CompiledModel:
         m, rebuild = self.manifest, build_command(self.model_dir, TARGET) + " --force"
         if m["model_type"] != self.config.model_type or m["config_hash"] != config_hash(raw_config):
             raise ArtifactError(f"{self.artifact} was built for another model or config.json "
-                                f"({m['model_dir']}); rebuild: {rebuild}")
+                                f"(built from {m['built_from']}); rebuild: {rebuild}")
         if m["tvm_version"] != tvm.__version__:
             raise ArtifactError(f"{self.artifact} was built with TVM {m['tvm_version']}, this is TVM {tvm.__version__}; "
                                 f"rebuild: {rebuild}")
