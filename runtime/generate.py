@@ -15,9 +15,8 @@ from pathlib import Path
 
 from ir.errors import RudaError
 
-from .engine import CompiledModel
-from .generation import generate_greedy
-from .tokenizer import Tokenizer, default_eos_token_ids
+from .pipeline import load_pipeline
+from .sampling import GreedyGenerationConfig
 
 
 def _positive(name: str):
@@ -44,22 +43,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--artifact", help="artifact directory (default: where `compiler build MODEL_DIR` writes)")
     args = parser.parse_args(argv)
     try:
-        model = CompiledModel(args.model_dir, args.artifact)
-        tokenizer = Tokenizer(args.model_dir)
-        eos = default_eos_token_ids(args.model_dir, model.config.eos_token_ids)
+        pipeline = load_pipeline(args.model_dir, args.artifact)
+        model = pipeline.model
         print(json.dumps({"event": "load", "model": str(Path(args.model_dir)), "model_type": model.config.model_type,
                           "target": model.manifest["target"]["kind"], "mcpu": model.manifest["target"]["mcpu"],
                           "artifact": str(model.artifact), "load_seconds": round(model.load_seconds, 3)}), flush=True)
-        prompt_ids = tokenizer.encode(args.prompt)
+        config = GreedyGenerationConfig(max_new_tokens=args.max_new_tokens)
         for run in range(args.runs):
-            r = generate_greedy(model, prompt_ids, args.max_new_tokens, eos)
+            r = pipeline.generate_text(args.prompt, config, add_special_tokens=True, skip_special_tokens=True)
             decode_steps = len(r.generated_token_ids) - 1
             print(json.dumps({
-                "event": "run", "run": run,
-                "text": tokenizer.decode(r.prompt_token_ids + r.generated_token_ids, skip_special_tokens=True),
-                "generated_text": tokenizer.decode(r.generated_token_ids, skip_special_tokens=True),
+                "event": "run", "run": run, "text": r.text, "generated_text": r.generated_text,
                 "generated_token_ids": r.generated_token_ids, "prompt_token_ids": r.prompt_token_ids,
                 "prompt_tokens": len(r.prompt_token_ids), "stopped_on_eos": r.stopped_on_eos,
+                "finish_reason": r.finish_reason,
                 "prefill_seconds": round(r.prefill_seconds, 6), "decode_seconds": round(r.decode_seconds, 6),
                 "prefill_tokens_per_s": round(len(r.prompt_token_ids) / r.prefill_seconds, 2),
                 "decode_tokens_per_s": round(decode_steps / r.decode_seconds, 2) if decode_steps else None,

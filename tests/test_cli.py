@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from models.tiny import write_tiny_checkpoint
-from runtime import CompiledModel, Tokenizer, default_eos_token_ids, generate_greedy
+from runtime import GreedyGenerationConfig, load_pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,15 +41,13 @@ def test_build_then_generate(workdir):
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert [line["event"] for line in lines] == ["load", "run", "run"]
     assert lines[0]["target"] == "llvm" and Path(cwd / lines[0]["artifact"]) == artifact
-    model = CompiledModel(model_dir, artifact)
-    tokenizer = Tokenizer(model_dir)
-    prompt = tokenizer.encode("Hello world")
-    want = generate_greedy(model, prompt, 12, default_eos_token_ids(model_dir, model.config.eos_token_ids))
+    want = load_pipeline(model_dir, artifact).generate_text("Hello world", GreedyGenerationConfig(12))
     for run_line in lines[1:]:
-        assert run_line["prompt_token_ids"] == prompt and run_line["prompt_tokens"] == len(prompt)
+        assert run_line["prompt_token_ids"] == want.prompt_token_ids
+        assert run_line["prompt_tokens"] == len(want.prompt_token_ids)
         assert run_line["generated_token_ids"] == want.generated_token_ids
         assert run_line["stopped_on_eos"] == want.stopped_on_eos
-        assert run_line["text"] == "Hello world" + run_line["generated_text"]
+        assert run_line["text"] == want.text == "Hello world" + want.generated_text
         assert run_line["prefill_tokens_per_s"] > 0 and run_line["decode_tokens_per_s"] > 0
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime import CompiledModel, generate_greedy
+from runtime import CompiledModel, GreedyGenerationConfig, generate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -60,7 +60,7 @@ def test_prefill_and_every_decode_step_match(case, prompt_len):
 def test_32_greedy_tokens_identical(case):
     ours, hf = case
     prompt = [int(t) for t in np.random.default_rng(7).integers(0, ours.config.vocab_size, 11)]
-    result = generate_greedy(ours, prompt, DECODE_STEPS, eos_token_ids=[])
+    result = generate(ours, prompt, GreedyGenerationConfig(DECODE_STEPS, eos_token_ids=[]))
     with torch.no_grad():
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=DECODE_STEPS, do_sample=False,
                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
@@ -71,9 +71,9 @@ def test_32_greedy_tokens_identical(case):
 def test_greedy_stops_on_eos_and_keeps_it(case):
     ours, _ = case
     prompt = [3, 4, 5]
-    free = generate_greedy(ours, prompt, 8, eos_token_ids=[])
+    free = generate(ours, prompt, GreedyGenerationConfig(8, eos_token_ids=[]))
     stop_at = free.generated_token_ids[2]
     first = free.generated_token_ids.index(stop_at)
-    result = generate_greedy(ours, prompt, 8, eos_token_ids=[stop_at])
+    result = generate(ours, prompt, GreedyGenerationConfig(8, eos_token_ids=[stop_at]))
     assert result.generated_token_ids == free.generated_token_ids[:first + 1]
-    assert result.stopped_on_eos
+    assert result.stopped_on_eos and result.finish_reason == "eos"

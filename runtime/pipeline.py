@@ -1,0 +1,146 @@
+"""The application API: a compiled model with its tokenizer, chat template, and text generation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
+
+import models
+from models.config import read_config_json
+
+from .chat_template import ChatMessage, ChatTemplate
+from .engine import CompiledModel
+from .generation import TokenStream
+from .sampling import GenerationConfigError, GreedyGenerationConfig, SamplingGenerationConfig
+from .tokenizer import Tokenizer, default_eos_token_ids
+
+LOADERS = {"llama": "load_huggingface_llama_pipeline", "qwen2": "load_huggingface_qwen2_pipeline"}
+
+
+@dataclass
+class GeneratedText:
+    """One finished generation: texts, token ids, why it stopped, and timings."""
+
+    text: str
+    """The prompt followed by the reply."""
+    generated_text: str
+    generated_token_ids: list[int]
+    prompt_token_ids: list[int]
+    stopped_on_eos: bool
+    finish_reason: str
+    prefill_seconds: float
+    decode_seconds: float
+
+
+class TextStream:
+    """Iterates text deltas of one generation (never splitting a character); then `result` is set."""
+
+    def __init__(self, pipeline: "Pipeline", prompt: str, config: GreedyGenerationConfig,
+                 add_special_tokens: bool, skip_special_tokens: bool):
+        self._pipeline = pipeline
+        self._prompt = prompt
+        self._skip = skip_special_tokens
+        self._tokens = TokenStream(pipeline.model, pipeline.encode(prompt, add_special_tokens), config,
+                                   pipeline.default_eos_token_ids)
+        self._stops = config.stop_strings
+        self.result: GeneratedText | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        emitted = ""
+        decode = self._pipeline.tokenizer.decode
+        for _ in self._tokens:
+            text = decode(self._tokens.generated, skip_special_tokens=self._skip)
+            if any(s in text for s in self._stops):
+                self._tokens.stop("stop_string")
+            if text.startswith(emitted) and not text.endswith("\ufffd") and len(text) > len(emitted):
+                yield text[len(emitted):]
+                emitted = text
+        text = decode(self._tokens.generated, skip_special_tokens=self._skip)
+        if len(text) > len(emitted) and text.startswith(emitted):
+            yield text[len(emitted):]
+            emitted = text
+        r = self._tokens.result()
+        self.result = GeneratedText(self._prompt + emitted, emitted, r.generated_token_ids, r.prompt_token_ids,
+                                    r.stopped_on_eos, r.finish_reason, r.prefill_seconds, r.decode_seconds)
+
+
+class Pipeline:
+    """Encode, decode, render chats and generate text with one compiled model."""
+
+    def __init__(self, model_dir: str | Path, artifact: str | Path | None = None):
+        self.model = CompiledModel(model_dir, artifact)
+        self.config: models.DecoderConfig = self.model.config
+        self.tokenizer = Tokenizer(model_dir)
+        self.chat_template = ChatTemplate(model_dir)
+        self.default_eos_token_ids = default_eos_token_ids(model_dir, self.model.config.eos_token_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text; a BOS the text already starts with is not added a second time."""
+        ids = self.tokenizer.encode(text, add_special_tokens)
+        bos = self.config.bos_token_id
+        if add_special_tokens and bos is not None and ids[:2] == [bos, bos]:
+            ids = ids[1:]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of token ids."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens)
+
+    def render_chat(self, messages: Sequence[Mapping | ChatMessage], add_generation_prompt: bool = True) -> str:
+        """The prompt for a conversation, from the checkpoint's own chat template."""
+        return self.chat_template.render(messages, add_generation_prompt)
+
+    def stream_text(self, prompt: str, config: GreedyGenerationConfig = GreedyGenerationConfig(),
+                    add_special_tokens: bool = True, skip_special_tokens: bool = True) -> TextStream:
+        """Greedy generation as a stream of text deltas."""
+        if not isinstance(config, GreedyGenerationConfig) or isinstance(config, SamplingGenerationConfig):
+            raise GenerationConfigError(f"config must be a GreedyGenerationConfig, got {type(config).__name__}")
+        return TextStream(self, prompt, config, add_special_tokens, skip_special_tokens)
+
+    def stream_text_sampled(self, prompt: str, config: SamplingGenerationConfig,
+                            add_special_tokens: bool = True, skip_special_tokens: bool = True) -> TextStream:
+        """Sampled generation as a stream of text deltas."""
+        if not isinstance(config, SamplingGenerationConfig):
+            raise GenerationConfigError(f"config must be a SamplingGenerationConfig, got {type(config).__name__}")
+        return TextStream(self, prompt, config, add_special_tokens, skip_special_tokens)
+
+    def generate_text(self, prompt: str, config: GreedyGenerationConfig = GreedyGenerationConfig(),
+                      add_special_tokens: bool = True, skip_special_tokens: bool = True) -> GeneratedText:
+        """Greedy (max-logit) generation."""
+        return _finish(self.stream_text(prompt, config, add_special_tokens, skip_special_tokens))
+
+    def generate_text_sampled(self, prompt: str, config: SamplingGenerationConfig,
+                              add_special_tokens: bool = True, skip_special_tokens: bool = True) -> GeneratedText:
+        """Sampled generation: temperature, top-k, top-p, seeded draw."""
+        return _finish(self.stream_text_sampled(prompt, config, add_special_tokens, skip_special_tokens))
+
+
+def _finish(stream: TextStream) -> GeneratedText:
+    for _ in stream:
+        pass
+    return stream.result
+
+
+def _load(model_dir: str | Path, artifact, expected: str | None) -> Pipeline:
+    raw, path = read_config_json(model_dir)
+    config = models.parse_config(raw, str(path))
+    if expected is not None and config.model_type != expected:
+        raise models.ModelConfigError(f"{path}: model_type is {config.model_type!r}, not {expected!r}; "
+                                      f"use {LOADERS[config.model_type]} (or load_pipeline)")
+    return Pipeline(model_dir, artifact)
+
+
+def load_pipeline(model_dir: str | Path, artifact: str | Path | None = None) -> Pipeline:
+    """A pipeline for any supported checkpoint (dispatch on config.json's model_type)."""
+    return _load(model_dir, artifact, None)
+
+
+def load_huggingface_llama_pipeline(model_dir: str | Path, artifact: str | Path | None = None) -> Pipeline:
+    """A pipeline for an unquantised Llama checkpoint."""
+    return _load(model_dir, artifact, "llama")
+
+
+def load_huggingface_qwen2_pipeline(model_dir: str | Path, artifact: str | Path | None = None) -> Pipeline:
+    """A pipeline for an unquantised Qwen2 / Qwen2.5 checkpoint."""
+    return _load(model_dir, artifact, "qwen2")
