@@ -1,4 +1,4 @@
-"""`python -m compiler build MODEL_DIR --target llvm`: compile a Hugging Face model directory ahead of time."""
+"""`python -m compiler build MODEL_DIR --target {llvm,cuda}`: compile a Hugging Face model directory ahead of time."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import sys
 
 from ir.errors import RudaError
 
-from .build import DEFAULT_CONTEXT_BUCKETS, DEFAULT_PREFILL_BUCKETS, build
+from .build import DEFAULT_CONTEXT_BUCKETS, DEFAULT_PREFILL_BUCKETS, TARGETS, build
+from .cuda import ARCHS, COMPILER_ENV, COMPILERS, PTX_VERSION_ENV
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -24,20 +25,28 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="compile MODEL_DIR into an artifact directory")
     b.add_argument("model_dir", metavar="MODEL_DIR")
-    b.add_argument("--target", default="llvm", choices=["llvm"], help="code generation target (default: llvm, this CPU)")
+    b.add_argument("--target", default="llvm", choices=TARGETS,
+                   help="llvm: this CPU (default); cuda: NVIDIA GPUs, built here without a GPU")
     b.add_argument("--out", help="artifact directory (default: build/<model>-<hash>.<target>)")
     b.add_argument("--prefill-buckets", type=_sizes, metavar="N,N,...",
                    help=f"prefill chunk sizes in tokens (default: {','.join(map(str, DEFAULT_PREFILL_BUCKETS))})")
     b.add_argument("--context-buckets", type=_sizes, metavar="N,N,...",
                    help="KV cache capacities in tokens (default: "
                         f"{','.join(map(str, DEFAULT_CONTEXT_BUCKETS))}, capped at max_position_embeddings)")
-    b.add_argument("--mcpu", help="LLVM CPU to compile for (default: this machine's CPU)")
+    b.add_argument("--mcpu", help="llvm: the CPU to compile for (default: this machine's CPU)")
+    b.add_argument("--arch", help=f"cuda: GPU architecture, one of {', '.join(ARCHS)} (default sm_90)")
+    b.add_argument("--cuda-compiler", help=f"cuda: code path, one of {', '.join(COMPILERS)} (default: ${COMPILER_ENV}, "
+                                           "else ptx = direct PTX through LLVM NVPTX)")
+    b.add_argument("--ptx-version", help=f"cuda: PTX ISA version to emit, e.g. 7.8, 8.0, 8.3 (default: ${PTX_VERSION_ENV}, "
+                                         "else the compiler's own)")
     b.add_argument("--force", action="store_true", help="rebuild even if the artifact is up to date")
     b.add_argument("--quiet", action="store_true", help="no progress output")
     args = parser.parse_args(argv)
     try:
         result = build(args.model_dir, target=args.target, out=args.out, prefill_buckets=args.prefill_buckets,
-                       context_buckets=args.context_buckets, mcpu=args.mcpu, force=args.force, quiet=args.quiet)
+                       context_buckets=args.context_buckets, mcpu=args.mcpu, arch=args.arch,
+                       cuda_compiler=args.cuda_compiler, ptx_version=args.ptx_version, force=args.force,
+                       quiet=args.quiet)
     except RudaError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

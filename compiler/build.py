@@ -19,11 +19,14 @@ from ir.errors import RudaError
 from models.checkpoint import check_tensors, scan_checkpoint
 from models.config import read_config_json
 from runtime.artifact import FORMAT, MANIFEST, MODULE, config_hash, default_artifact_dir
-from schedules import cpu
+from schedules import cpu, gpu
 
+from .cuda import CudaBuildError, CudaTarget, check_with_ptxas, cuda_target, export_with_ptx, prepare_environment
 from .lower import Buckets, kernel_signatures, lower_program
-from .target import cpu_target
+from .target import CpuTarget, cpu_target
 
+TARGETS = ("llvm", "cuda")
+PTX_FILE = "kernels.ptx"
 DEFAULT_PREFILL_BUCKETS = (16, 64, 256)
 DEFAULT_CONTEXT_BUCKETS = (512, 2048, 4096)
 _SOURCE_PACKAGES = ("ir", "models", "compiler", "schedules")
@@ -69,19 +72,34 @@ def resolve_buckets(prefill: tuple[int, ...] | None, context: tuple[int, ...] | 
     return Buckets(prefill, context)
 
 
+def make_target(target: str, *, mcpu: str | None = None, arch: str | None = None,
+                cuda_compiler: str | None = None, ptx_version: str | None = None) -> CpuTarget | CudaTarget:
+    """The validated target for `--target` and the options that belong to it."""
+    if target not in TARGETS:
+        raise BuildError(f"--target {target!r} is not supported; valid targets: {', '.join(TARGETS)}")
+    if target == "llvm":
+        stray = [flag for flag, v in (("--arch", arch), ("--cuda-compiler", cuda_compiler),
+                                      ("--ptx-version", ptx_version)) if v is not None]
+        if stray:
+            raise BuildError(f"{', '.join(stray)} only apply to --target cuda")
+        return cpu_target(mcpu)
+    if mcpu is not None:
+        raise BuildError("--mcpu only applies to --target llvm")
+    return cuda_target(arch, cuda_compiler, ptx_version)
+
+
 def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None = None,
           prefill_buckets: tuple[int, ...] | None = None, context_buckets: tuple[int, ...] | None = None,
-          mcpu: str | None = None, force: bool = False, quiet: bool = False) -> BuildResult:
+          mcpu: str | None = None, arch: str | None = None, cuda_compiler: str | None = None,
+          ptx_version: str | None = None, force: bool = False, quiet: bool = False) -> BuildResult:
     """Compile a model directory into an artifact directory (reusing it when nothing changed)."""
     start = time.perf_counter()
-    if target != "llvm":
-        raise BuildError(f"--target {target!r} is not supported; valid targets: llvm")
+    tgt = make_target(target, mcpu=mcpu, arch=arch, cuda_compiler=cuda_compiler, ptx_version=ptx_version)
     raw, config_path = read_config_json(model_dir)
     config = models.parse_config(raw, str(config_path))
     dtypes = check_tensors(scan_checkpoint(model_dir), models.checkpoint_shapes(config), model_dir)
     program = models.build_program(config, dtypes)
     buckets = resolve_buckets(prefill_buckets, context_buckets, config.max_position_embeddings)
-    cpu_tgt = cpu_target(mcpu)
     out = Path(out) if out is not None else default_artifact_dir(model_dir, target)
     manifest = {
         "format": FORMAT,
@@ -89,7 +107,7 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
         "model_type": program.model_type,
         "config_hash": config_hash(raw),
         "ir_hash": stable_hash(program),
-        "target": cpu_tgt.describe(),
+        "target": tgt.describe(),
         "buckets": {"prefill_tokens": list(buckets.prefill_tokens), "context": list(buckets.context)},
         "tvm_version": tvm.__version__,
         "code_hash": code_hash(),
@@ -100,21 +118,67 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
         "functions": [name for name, _, _ in buckets.functions()],
         "kernels": [sig.name for sig in kernel_signatures(program, buckets)],
     }
+    if isinstance(tgt, CudaTarget):
+        manifest["ptx_file"] = PTX_FILE
     if not force and _up_to_date(out, manifest):
         return BuildResult(out, True, time.perf_counter() - start)
 
-    def schedule(kernel, kind):
-        kernel.func = cpu.schedule(kernel.func, kind, cpu_tgt.lanes)
-        return kernel
-
     progress = (lambda it: it) if quiet else (lambda it: tqdm(it, desc="scheduling kernels", unit="kernel"))
-    module = lower_program(program, buckets, schedule, progress)
+    module = lower_program(program, buckets, _scheduler(tgt), progress)
     if not quiet:
-        print(f"compiling {len(manifest['kernels'])} kernels and {len(manifest['functions'])} step functions with LLVM "
-              f"for {cpu_tgt.mcpu}...", flush=True)
-    executable = tvm.compile(module, cpu_tgt.tvm_target())
-    _write_atomically(out, manifest, executable, program)
+        print(f"compiling {len(manifest['kernels'])} kernels and {len(manifest['functions'])} step functions "
+              f"for {_describe(tgt)}...", flush=True)
+    executable = _compile(module, tgt)
+    _write_atomically(out, manifest, program, lambda tmp: _export(executable, tgt, tmp))
     return BuildResult(out, False, time.perf_counter() - start)
+
+
+def _describe(tgt: CpuTarget | CudaTarget) -> str:
+    if isinstance(tgt, CpuTarget):
+        return f"CPU {tgt.mcpu} with LLVM"
+    path = "direct PTX (LLVM NVPTX)" if tgt.compiler == "ptx" else f"CUDA C++ via {tgt.compiler}"
+    return f"CUDA {tgt.arch} through {path}"
+
+
+def _scheduler(tgt: CpuTarget | CudaTarget):
+    def schedule(kernel, kind):
+        kernel.func = cpu.schedule(kernel.func, kind, tgt.lanes) if isinstance(tgt, CpuTarget) \
+            else gpu.schedule(kernel.func, kind)
+        return kernel
+    return schedule
+
+
+def _compile(module: tvm.IRModule, tgt: CpuTarget | CudaTarget):
+    """The compiled executable; a kernel the direct PTX path cannot emit is named in the error."""
+    if isinstance(tgt, CpuTarget):
+        return tvm.compile(module, tgt.tvm_target(), relax_pipeline="default_build")
+    prepare_environment()
+    try:
+        return tvm.compile(module, tgt.tvm_target(), relax_pipeline="default_build")
+    except Exception as e:  # TVM raises bare errors from codegen; find and name the kernel behind it
+        for name, func in module.functions.items():
+            if isinstance(func, tvm.tirx.PrimFunc):
+                try:
+                    tvm.compile(func, tgt.tvm_target())
+                except Exception as kernel_error:
+                    detail = str(kernel_error).strip().splitlines()[-1]
+                    raise CudaBuildError(
+                        f"the {_describe(tgt)} path cannot emit op {name.name_hint.rsplit('_', 1)[0]!r} "
+                        f"(kernel {name.name_hint}): {detail}") from None
+        raise CudaBuildError(f"CUDA build through {_describe(tgt)} failed: {str(e).strip().splitlines()[-1]}") from None
+
+
+def _export(executable, tgt: CpuTarget | CudaTarget, directory: Path) -> None:
+    """Write the compiled module (and, for CUDA, its PTX, checked by ptxas) into `directory`."""
+    if isinstance(tgt, CpuTarget):
+        executable.export_library(str(directory / MODULE))
+        return
+    texts = set(export_with_ptx(executable, directory / MODULE, tgt).values())
+    if len(texts) != 1:
+        raise CudaBuildError(f"expected one PTX device module, got {len(texts)}")
+    ptx_path = directory / PTX_FILE
+    ptx_path.write_text(texts.pop())
+    check_with_ptxas(ptx_path, tgt.arch)
 
 
 def _up_to_date(out: Path, manifest: dict) -> bool:
@@ -127,7 +191,7 @@ def _up_to_date(out: Path, manifest: dict) -> bool:
     return same and set(old) == set(manifest) and (out / MODULE).is_file()
 
 
-def _write_atomically(out: Path, manifest: dict, executable, program) -> None:
+def _write_atomically(out: Path, manifest: dict, program, export) -> None:
     """Write into a temp dir beside `out`, then swap it in, so no half-built artifact is ever visible."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -135,7 +199,7 @@ def _write_atomically(out: Path, manifest: dict, executable, program) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        executable.export_library(str(tmp / MODULE))
+        export(tmp)
         (tmp / "ir.json").write_text(to_json(program))
         (tmp / "ir.txt").write_text(format_program(program) + "\n")
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")

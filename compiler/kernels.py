@@ -124,8 +124,8 @@ def kv_append(types, attrs) -> Kernel:
         for i, c in T.grid(rows, width):
             with T.sblock("kv_append"):
                 vi, vc = T.axis.remap("SS", [i, c])
-                T.where(i < n)
-                cache[pos + vi, vc] = new[vi, vc]
+                if vi < n:
+                    cache[pos + vi, vc] = new[vi, vc]
 
     return Kernel(func)
 
