@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", metavar="MODEL_DIR")
     parser.add_argument("--artifact", help="artifact directory (default: where `compiler build MODEL_DIR` writes)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="run the llvm artifact on the CPU (default) or the cuda artifact on the GPU")
     parser.add_argument("--system", help="system prompt")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, help="sample at this temperature (default: greedy)")
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = _config(args)
-        pipeline = load_pipeline(args.model_dir, args.artifact)
+        pipeline = load_pipeline(args.model_dir, args.artifact, args.device)
         chat(pipeline, config, args.system)
     except KeyboardInterrupt:
         sys.stdout.write("\n")

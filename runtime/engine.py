@@ -21,7 +21,7 @@ from .cpu import missing_host_features
 from .artifact import MODULE, ArtifactError, build_command, config_hash, default_artifact_dir, read_manifest
 from .weights import load_tensors
 
-TARGET = "llvm"
+TARGETS = {"cpu": "llvm", "cuda": "cuda"}
 
 
 class GenerationError(RudaError):
@@ -40,17 +40,23 @@ class KVCache:
 class CompiledModel:
     """A model directory's weights bound to its prebuilt artifact."""
 
-    def __init__(self, model_dir: str | Path, artifact: str | Path | None = None):
+    def __init__(self, model_dir: str | Path, artifact: str | Path | None = None, device: str = "cpu"):
         start = time.perf_counter()
+        if device not in TARGETS:
+            raise GenerationError(f"device {device!r} is not supported; valid: {', '.join(TARGETS)}")
+        self.target = TARGETS[device]
+        self.device = tvm.cpu() if device == "cpu" else tvm.cuda(0)
+        if not self.device.exist:
+            raise GenerationError("--device cuda: no CUDA GPU is visible on this machine; run on a machine with an "
+                                  "NVIDIA GPU and driver, or use --device cpu")
         self.model_dir = Path(model_dir)
         raw, config_path = read_config_json(model_dir)
         self.config = models.parse_config(raw, str(config_path))
-        self.artifact = Path(artifact) if artifact is not None else default_artifact_dir(model_dir, TARGET)
-        self.manifest = read_manifest(self.artifact, model_dir, TARGET)
+        self.artifact = Path(artifact) if artifact is not None else default_artifact_dir(model_dir, self.target)
+        self.manifest = read_manifest(self.artifact, model_dir, self.target)
         entries = scan_checkpoint(model_dir)
         dtypes = check_tensors(entries, models.checkpoint_shapes(self.config), model_dir)
         self._check_manifest(raw, stable_hash(models.build_program(self.config, dtypes)))
-        self.device = tvm.cpu()
         self._vm = relax.VirtualMachine(tvm.runtime.load_module(str(self.artifact / MODULE)), self.device)
         self._functions = {name: self._vm[name] for name in self.manifest["functions"]}
         names = [p["name"] for p in self.manifest["params"]]
@@ -60,16 +66,16 @@ class CompiledModel:
         self.load_seconds = time.perf_counter() - start
 
     def _check_manifest(self, raw_config: dict, ir_hash: str) -> None:
-        m, rebuild = self.manifest, build_command(self.model_dir, TARGET) + " --force"
+        m, rebuild = self.manifest, build_command(self.model_dir, self.target) + " --force"
         if m["model_type"] != self.config.model_type or m["config_hash"] != config_hash(raw_config):
             raise ArtifactError(f"{self.artifact} was built for another model or config.json "
                                 f"(built from {m['built_from']}); rebuild: {rebuild}")
         if m["tvm_version"] != tvm.__version__:
             raise ArtifactError(f"{self.artifact} was built with TVM {m['tvm_version']}, this is TVM {tvm.__version__}; "
                                 f"rebuild: {rebuild}")
-        if m["target"]["kind"] != TARGET:
-            raise ArtifactError(f"{self.artifact} targets {m['target']['kind']}, not {TARGET}; rebuild: {rebuild}")
-        missing = missing_host_features(m["target"]["features"])
+        if m["target"]["kind"] != self.target:
+            raise ArtifactError(f"{self.artifact} targets {m['target']['kind']}, not {self.target}; rebuild: {rebuild}")
+        missing = missing_host_features(m["target"].get("features", []))
         if missing:
             raise ArtifactError(f"{self.artifact} was compiled for CPU {m['target']['mcpu']!r}, which uses {missing} "
                                 f"that this machine lacks; rebuild here: {rebuild}")

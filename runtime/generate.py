@@ -1,6 +1,6 @@
 """`python -m runtime.generate`: run a prebuilt artifact greedily on a raw prompt.
 
-    python -m runtime.generate MODEL_DIR PROMPT [MAX_NEW_TOKENS=32] [RUNS=1] [--artifact PATH]
+    python -m runtime.generate MODEL_DIR PROMPT [MAX_NEW_TOKENS=32] [RUNS=1] [--artifact PATH] [--device cpu|cuda]
 
 The prompt is encoded as is (the tokenizer's own special-token template, no chat template).
 Prints JSON lines: one `load` line, then one `run` line per run.
@@ -41,9 +41,11 @@ def main(argv: list[str] | None = None) -> int:
                         type=_positive("MAX_NEW_TOKENS"))
     parser.add_argument("runs", metavar="RUNS", nargs="?", default=1, type=_positive("RUNS"))
     parser.add_argument("--artifact", help="artifact directory (default: where `compiler build MODEL_DIR` writes)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="run the llvm artifact on the CPU (default) or the cuda artifact on the GPU")
     args = parser.parse_args(argv)
     try:
-        pipeline = load_pipeline(args.model_dir, args.artifact)
+        pipeline = load_pipeline(args.model_dir, args.artifact, args.device)
         model = pipeline.model
         print(json.dumps({"event": "load", "model": str(Path(args.model_dir)), "model_type": model.config.model_type,
                           "target": model.manifest["target"]["kind"], "mcpu": model.manifest["target"]["mcpu"],

@@ -15,6 +15,7 @@ from .generation import TokenStream
 from .sampling import GenerationConfigError, GreedyGenerationConfig, SamplingGenerationConfig
 from .tokenizer import Tokenizer, default_eos_token_ids
 
+DEFAULT_GREEDY = GreedyGenerationConfig()
 LOADERS = {"llama": "load_huggingface_llama_pipeline", "qwen2": "load_huggingface_qwen2_pipeline"}
 
 
@@ -68,8 +69,8 @@ class TextStream:
 class Pipeline:
     """Encode, decode, render chats and generate text with one compiled model."""
 
-    def __init__(self, model_dir: str | Path, artifact: str | Path | None = None):
-        self.model = CompiledModel(model_dir, artifact)
+    def __init__(self, model_dir: str | Path, artifact: str | Path | None = None, device: str = "cpu"):
+        self.model = CompiledModel(model_dir, artifact, device)
         self.config: models.DecoderConfig = self.model.config
         self.tokenizer = Tokenizer(model_dir)
         self.chat_template = ChatTemplate(model_dir)
@@ -91,7 +92,7 @@ class Pipeline:
         """The prompt for a conversation, from the checkpoint's own chat template."""
         return self.chat_template.render(messages, add_generation_prompt)
 
-    def stream_text(self, prompt: str, config: GreedyGenerationConfig = GreedyGenerationConfig(),
+    def stream_text(self, prompt: str, config: GreedyGenerationConfig = DEFAULT_GREEDY,
                     add_special_tokens: bool = True, skip_special_tokens: bool = True) -> TextStream:
         """Greedy generation as a stream of text deltas."""
         if not isinstance(config, GreedyGenerationConfig) or isinstance(config, SamplingGenerationConfig):
@@ -105,7 +106,7 @@ class Pipeline:
             raise GenerationConfigError(f"config must be a SamplingGenerationConfig, got {type(config).__name__}")
         return TextStream(self, prompt, config, add_special_tokens, skip_special_tokens)
 
-    def generate_text(self, prompt: str, config: GreedyGenerationConfig = GreedyGenerationConfig(),
+    def generate_text(self, prompt: str, config: GreedyGenerationConfig = DEFAULT_GREEDY,
                       add_special_tokens: bool = True, skip_special_tokens: bool = True) -> GeneratedText:
         """Greedy (max-logit) generation."""
         return _finish(self.stream_text(prompt, config, add_special_tokens, skip_special_tokens))
@@ -122,25 +123,28 @@ def _finish(stream: TextStream) -> GeneratedText:
     return stream.result
 
 
-def _load(model_dir: str | Path, artifact, expected: str | None) -> Pipeline:
+def _load(model_dir: str | Path, artifact, device: str, expected: str | None) -> Pipeline:
     raw, path = read_config_json(model_dir)
     config = models.parse_config(raw, str(path))
     if expected is not None and config.model_type != expected:
         raise models.ModelConfigError(f"{path}: model_type is {config.model_type!r}, not {expected!r}; "
                                       f"use {LOADERS[config.model_type]} (or load_pipeline)")
-    return Pipeline(model_dir, artifact)
+    return Pipeline(model_dir, artifact, device)
 
 
-def load_pipeline(model_dir: str | Path, artifact: str | Path | None = None) -> Pipeline:
+def load_pipeline(model_dir: str | Path, artifact: str | Path | None = None,
+                  device: str = "cpu") -> Pipeline:
     """A pipeline for any supported checkpoint (dispatch on config.json's model_type)."""
-    return _load(model_dir, artifact, None)
+    return _load(model_dir, artifact, device, None)
 
 
-def load_huggingface_llama_pipeline(model_dir: str | Path, artifact: str | Path | None = None) -> Pipeline:
+def load_huggingface_llama_pipeline(model_dir: str | Path, artifact: str | Path | None = None,
+                                    device: str = "cpu") -> Pipeline:
     """A pipeline for an unquantised Llama checkpoint."""
-    return _load(model_dir, artifact, "llama")
+    return _load(model_dir, artifact, device, "llama")
 
 
-def load_huggingface_qwen2_pipeline(model_dir: str | Path, artifact: str | Path | None = None) -> Pipeline:
+def load_huggingface_qwen2_pipeline(model_dir: str | Path, artifact: str | Path | None = None,
+                                    device: str = "cpu") -> Pipeline:
     """A pipeline for an unquantised Qwen2 / Qwen2.5 checkpoint."""
-    return _load(model_dir, artifact, "qwen2")
+    return _load(model_dir, artifact, device, "qwen2")

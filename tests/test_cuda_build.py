@@ -1,0 +1,154 @@
+"""CUDA artifacts built on a machine without a GPU: every path, PTX per kernel, versions, ptxas, errors."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from compiler import cuda
+from compiler.build import BuildError, build
+from compiler.cuda import CudaBuildError, cuda_target
+from conftest import TEST_BUCKETS
+from models.tiny import write_tiny_checkpoint
+from runtime import GenerationError
+from runtime.engine import CompiledModel
+
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("ptxas") is None,
+                                reason="no CUDA toolkit installed")
+
+
+def nvrtc_available() -> bool:
+    try:
+        from cuda.bindings import nvrtc  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+PATHS = [
+    ("qwen2", "sm_90", "ptx", None), ("llama", "sm_80", "ptx", "7.8"),
+    ("qwen2", "sm_80", "nvcc", None), ("llama", "sm_90", "nvcc", "8.3"),
+    pytest.param("qwen2", "sm_90", "nvrtc", "8.0",
+                 marks=pytest.mark.skipif(not nvrtc_available(), reason="cuda-bindings (NVRTC) not installed")),
+    pytest.param("llama", "sm_80", "nvrtc", None,
+                 marks=pytest.mark.skipif(not nvrtc_available(), reason="cuda-bindings (NVRTC) not installed")),
+]
+DEFAULT_VERSION = {("ptx", "sm_90"): "7.8", ("ptx", "sm_80"): "7.0", ("nvcc", "sm_80"): "9.0",
+                   ("nvcc", "sm_90"): "9.0", ("nvrtc", "sm_80"): "9.0", ("nvrtc", "sm_90"): "9.0"}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cuda")
+    return {arch: write_tiny_checkpoint(root / arch, arch=arch, dtype="bfloat16") for arch in ("qwen2", "llama")}
+
+
+def _build(model_dir, out, **kw):
+    return build(model_dir, target="cuda", out=out, prefill_buckets=TEST_BUCKETS["prefill_tokens"],
+                 context_buckets=TEST_BUCKETS["context"], quiet=True, **kw)
+
+
+def _embedded_device_code(library) -> tuple[str, str]:
+    """(format, code) of the CUDA module packed inside an exported library."""
+    lib = ctypes.CDLL(str(library))
+    base = ctypes.addressof(ctypes.c_char.in_dll(lib, "__tvm_ffi__library_bin"))
+    size = int.from_bytes(ctypes.string_at(base, 8), "little")
+    found = []
+    cuda.repack_cuda_modules(ctypes.string_at(base, size + 8), lambda fmt, code, names: found.append((fmt, code)) or code)
+    assert len(found) == 1
+    return found[0]
+
+
+@pytest.mark.parametrize("arch_name,arch,compiler,version", PATHS)
+def test_cuda_build_emits_checked_ptx_for_every_kernel(checkpoints, tmp_path, arch_name, arch, compiler, version):
+    out = _build(checkpoints[arch_name], tmp_path / "artifact", arch=arch, cuda_compiler=compiler, ptx_version=version).path
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["target"] == {"kind": "cuda", "arch": arch, "cuda_compiler": compiler, "ptx_version": version}
+    ptx = (out / "kernels.ptx").read_text()
+    assert re.search(r"^\.version (\d+\.\d+)$", ptx, re.M).group(1) == (version or DEFAULT_VERSION[(compiler, arch)])
+    assert re.search(r"^\.target (sm_\d+)", ptx, re.M).group(1) == arch
+    entries = re.findall(r"^\.visible \.entry (\w+)\(", ptx, re.M)
+    for kernel in manifest["kernels"]:
+        assert any(e == f"{kernel}_kernel" or e.startswith(f"{kernel}_kernel_") for e in entries), kernel
+    assembled = subprocess.run(["ptxas", "-v", f"-arch={arch}", str(out / "kernels.ptx"), "-o", "/dev/null"],
+                               capture_output=True, text=True)
+    assert assembled.returncode == 0, assembled.stderr
+    assert len(re.findall(r"Compiling entry function '(\w+)'", assembled.stderr)) == len(entries)
+    fmt, code = _embedded_device_code(out / "model.so")
+    assert fmt == "ptx" and code == ptx  # the driver loads this PTX; nothing is compiled at load time
+
+
+def test_environment_selects_path_and_version(monkeypatch):
+    monkeypatch.setenv("RUDA_CUDA_COMPILER", "nvcc")
+    monkeypatch.setenv("RUDA_PTX_VERSION", "8.0")
+    assert cuda_target() == cuda.CudaTarget("sm_90", "nvcc", "8.0")
+    assert cuda_target("sm_86", "ptx", "7.1") == cuda.CudaTarget("sm_86", "ptx", "7.1")  # flags win
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(arch="sm_70"), "--arch 'sm_70' is not supported; valid: sm_80, sm_86, sm_89, sm_90"),
+    (dict(compiler="clang"), "CUDA compiler 'clang' .* valid: ptx, nvrtc, nvcc"),
+    (dict(ptx_version="6.4"), "PTX version '6.4' .* valid: 7.0, 7.1"),
+    (dict(arch="sm_90", ptx_version="7.0"), "PTX version 7.0 cannot target sm_90; sm_90 needs PTX 7.8 or newer"),
+    (dict(arch="sm_89", ptx_version="7.4"), "sm_89 needs PTX 7.8"),
+])
+def test_bad_cuda_options(kwargs, message):
+    with pytest.raises(CudaBuildError, match=message):
+        cuda_target(**kwargs)
+
+
+def test_bad_environment_values(monkeypatch):
+    monkeypatch.setenv("RUDA_CUDA_COMPILER", "hipcc")
+    with pytest.raises(CudaBuildError, match="RUDA_CUDA_COMPILER"):
+        cuda_target()
+
+
+def test_options_of_the_other_target_are_refused(checkpoints, tmp_path):
+    with pytest.raises(BuildError, match="--arch only apply to --target cuda"):
+        build(checkpoints["qwen2"], target="llvm", arch="sm_90", out=tmp_path / "a", quiet=True)
+    with pytest.raises(BuildError, match="--mcpu only applies to --target llvm"):
+        build(checkpoints["qwen2"], target="cuda", mcpu="znver4", out=tmp_path / "a", quiet=True)
+    with pytest.raises(BuildError, match="valid targets: llvm, cuda"):
+        build(checkpoints["qwen2"], target="rocm", out=tmp_path / "a", quiet=True)
+
+
+def test_direct_path_names_an_op_it_cannot_emit(checkpoints, tmp_path, monkeypatch):
+    """A schedule that needs a barrier (a cross-thread reduction) cannot pass the NVPTX backend: the error names the op."""
+    from schedules import gpu
+
+    original = gpu.schedule
+
+    def with_block_reduction(func, kind):
+        if kind != "rms_norm":
+            return original(func, kind)
+        sch = gpu.s_tir.Schedule(func)
+        block = sch.get_sblock("rms_norm_sumsq")
+        row, col = sch.get_loops(block)
+        sch.bind(row, "blockIdx.x")
+        sch.bind(sch.split(col, [None, 64])[1], "threadIdx.x")
+        gpu._thread_per_output(sch, sch.get_sblock("rms_norm"))
+        return sch.mod["main"]
+
+    monkeypatch.setattr(gpu, "schedule", with_block_reduction)
+    with pytest.raises(CudaBuildError, match=r"direct PTX \(LLVM NVPTX\) path cannot emit op 'rms_norm'"):
+        _build(checkpoints["qwen2"], tmp_path / "artifact", cuda_compiler="ptx")
+    assert not (tmp_path / "artifact").exists()
+
+
+def test_cuda_toolkit_root_is_found_from_nvcc(monkeypatch):
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    root = cuda.cuda_toolkit_root()
+    assert (root / "nvvm" / "libdevice").is_dir()
+
+
+@pytest.mark.skipif(__import__("tvm").cuda(0).exist, reason="this machine has a GPU")
+def test_asking_for_cuda_without_a_gpu_is_a_clear_error(checkpoints, tmp_path):
+    with pytest.raises(GenerationError, match="no CUDA GPU is visible"):
+        CompiledModel(checkpoints["qwen2"], tmp_path / "anything", device="cuda")
+    with pytest.raises(GenerationError, match="device 'tpu' is not supported; valid: cpu, cuda"):
+        CompiledModel(checkpoints["qwen2"], tmp_path / "anything", device="tpu")
