@@ -50,7 +50,8 @@ class KernelSignature:
         return f"{self.kind}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
-def _signature(graph: Graph, program: Program, op, dims: dict[str, int]) -> KernelSignature:
+def op_signature(graph: Graph, program: Program, op, dims: dict[str, int]) -> KernelSignature:
+    """The kernel signature of one op of `graph` with its symbolic dims bound."""
     types = tuple((graph.types[v] if v in graph.types else program.params[v].type).bind(dims) for v in op.inputs)
     return KernelSignature(op.kind, types, json.dumps(op.attrs, sort_keys=True))
 
@@ -61,7 +62,7 @@ def kernel_signatures(program: Program, buckets: Buckets) -> list[KernelSignatur
     for _, entry, dims in buckets.functions():
         graph = program.entries[entry]
         for op in graph.ops:
-            seen.setdefault(_signature(graph, program, op, dims))
+            seen.setdefault(op_signature(graph, program, op, dims))
     return list(seen)
 
 
@@ -92,7 +93,7 @@ def _lower_entry(bb, fn_name, program, graph, dims, kernels, param_types) -> Non
             for i, name in enumerate(program.params):
                 env[name] = bb.emit(relax.TupleGetItem(weights, i))
             for op in graph.ops:
-                gvar, constants = kernels[_signature(graph, program, op, dims)]
+                gvar, constants = kernels[op_signature(graph, program, op, dims)]
                 args = [env[v] for v in op.inputs] + [relax.const(c) for c in constants]
                 out_types = [_relax_type(graph.types[o].bind(dims)) for o in op.outputs]
                 inplace = OPS[op.kind].inplace

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .graph import Dim, Graph, Op, Param, TensorType
-from .ops import IRError, OPS, infer_types
+from .ops import OPS, IRError, infer_types
 
 
 class GraphBuilder:

@@ -9,7 +9,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Mapping
 
-from ir import CONTEXT, TOKENS, GraphBuilder, Param, Program, TensorType, eliminate_dead_values, fuse_add_rms_norm, verify
+from ir import (
+    CONTEXT,
+    TOKENS,
+    GraphBuilder,
+    Param,
+    Program,
+    TensorType,
+    eliminate_dead_values,
+    fuse_add_rms_norm,
+    verify,
+)
 
 from .config import ConfigReader
 from .rope import inv_freq, read_rope

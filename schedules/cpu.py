@@ -48,22 +48,32 @@ def _generic(sch: s_tir.Schedule, lanes: int) -> None:
 
 
 def _linear(sch: s_tir.Schedule, lanes: int) -> None:
-    """GEMV/GEMM: output columns across cores; the dot product accumulates `lanes` partial sums."""
+    """GEMV/GEMM: tiles of output rows x columns across cores; each dot product accumulates `lanes`
+    partial sums in registers, so one loaded activation vector serves every column of the tile and
+    one loaded weight vector every row."""
     block = sch.get_sblock("matmul")
     i, j, k = sch.get_loops(block)
-    if (_extent(sch, k) or 1) % lanes:
+    rows, cols, depth = _extent(sch, i), _extent(sch, j), _extent(sch, k)
+    if depth % lanes:
         _generic(sch, lanes)
         return
-    _, ki = sch.split(k, [None, lanes])
-    partial = sch.rfactor(ki, factor_axis=0)
-    i_rf, j_rf, _, ki_rf = sch.get_loops(partial)
-    sch.vectorize(ki_rf)
-    rows = sch.fuse(i_rf, j_rf)
-    sch.parallel(rows)
-    sch.reverse_compute_at(block, rows)
-    consumers = sch.get_consumers(block)
-    if consumers:
-        sch.reverse_compute_at(consumers[0], rows)
+    tile_rows = next(t for t in (2, 1) if rows % t == 0)
+    tile_cols = next(t for t in (4, 1) if cols % t == 0)
+    i_outer, _ = sch.split(i, [None, tile_rows])
+    j_outer, _ = sch.split(j, [None, tile_cols])
+    _, k_lane = sch.split(k, [None, lanes])
+    partial = sch.rfactor(k_lane, factor_axis=0)
+    p_io, p_ii, p_jo, p_ji, p_ko, p_ki = sch.get_loops(partial)
+    sch.reorder(p_io, p_jo, p_ko, p_ii, p_ji, p_ki)
+    sch.unroll(p_ii)
+    sch.unroll(p_ji)
+    sch.vectorize(p_ki)
+    tiles = sch.fuse(p_io, p_jo)
+    sch.parallel(tiles)
+    sch.reverse_compute_at(block, tiles)
+    for consumer in sch.get_consumers(block):
+        sch.reverse_compute_at(consumer, tiles)
+    sch.decompose_reduction(partial, p_ko)
 
 
 def _norm(sch: s_tir.Schedule, lanes: int) -> None:
@@ -80,7 +90,26 @@ def _norm(sch: s_tir.Schedule, lanes: int) -> None:
             continue
 
 
-SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm}
+def _attention(sch: s_tir.Schedule, lanes: int) -> None:
+    """One task per query head: every softmax stage of that head computed where it is consumed."""
+    sch.compute_inline(sch.get_sblock("masked"))
+    out = sch.get_sblock("attention")
+    row, col = sch.get_loops(out)
+    head_dim = _extent(sch, col) // _extent(sch, sch.get_loops(sch.get_sblock("row_max"))[0])
+    head, lane = sch.split(col, [None, head_dim])
+    sch.reorder(head, row, lane)
+    sch.parallel(head)
+    for stage in ("weighted", "row_sum", "exp", "row_max", "scores"):
+        sch.compute_at(sch.get_sblock(stage), head)
+    weighted = sch.get_sblock("weighted")
+    w_col, w_ctx = sch.get_loops(weighted)[-2:]
+    sch.reorder(w_ctx, w_col)
+    sch.decompose_reduction(weighted, w_ctx)
+    if head_dim % lanes == 0:
+        sch.vectorize(sch.split(lane, [None, lanes])[1])
+
+
+SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "attention": _attention}
 
 
 def schedule(func: tirx.PrimFunc, kind: str, lanes: int) -> tirx.PrimFunc:

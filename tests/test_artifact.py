@@ -6,10 +6,10 @@ import json
 import shutil
 
 import pytest
+from conftest import TEST_BUCKETS
 
 from compiler import build as build_module
 from compiler.build import BuildError, build, resolve_buckets
-from conftest import TEST_BUCKETS
 from models.tiny import write_tiny_checkpoint
 from runtime import ArtifactError, CompiledModel, GenerationError, default_artifact_dir
 from runtime.artifact import MANIFEST

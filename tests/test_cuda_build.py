@@ -9,11 +9,11 @@ import shutil
 import subprocess
 
 import pytest
+from conftest import TEST_BUCKETS
 
 from compiler import cuda
 from compiler.build import BuildError, build
 from compiler.cuda import CudaBuildError, cuda_target
-from conftest import TEST_BUCKETS
 from models.tiny import write_tiny_checkpoint
 from runtime import GenerationError
 from runtime.engine import CompiledModel

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-
-from compiler.build import build
 from conftest import TEST_BUCKETS
-from runtime import CompiledModel, GreedyGenerationConfig, generate
 from test_cuda_build import nvrtc_available
 from test_models_vs_transformers import assert_logits_close
+
+from compiler.build import build
+from runtime import CompiledModel, GreedyGenerationConfig, generate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -9,8 +9,24 @@ import pytest
 
 import models
 from ir import (
-    CONTEXT, OPS, TOKENS, Graph, GraphBuilder, IRError, Op, Param, Program, TensorType, eliminate_dead_values,
-    format_program, from_json, fuse_add_rms_norm, infer_types, stable_hash, to_json, verify,
+    CONTEXT,
+    OPS,
+    TOKENS,
+    Graph,
+    GraphBuilder,
+    IRError,
+    Op,
+    Param,
+    Program,
+    TensorType,
+    eliminate_dead_values,
+    format_program,
+    from_json,
+    fuse_add_rms_norm,
+    infer_types,
+    stable_hash,
+    to_json,
+    verify,
 )
 
 F32, I32 = "float32", "int32"

@@ -6,10 +6,10 @@ import math
 
 import ml_dtypes
 import numpy as np
+import numpy_reference as ref
 import pytest
 import tvm
 
-import numpy_reference as ref
 from compiler.kernels import KERNELS, make_kernel
 from compiler.target import cpu_target
 from ir import OPS, TensorType, infer_types

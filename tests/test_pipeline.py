@@ -15,9 +15,17 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 from models import ModelConfigError
-from runtime import (ChatMessage, ChatTemplateError, GenerationConfigError, GreedyGenerationConfig, SamplingConfig,
-                     SamplingGenerationConfig, load_huggingface_llama_pipeline, load_huggingface_qwen2_pipeline,
-                     load_pipeline)
+from runtime import (
+    ChatMessage,
+    ChatTemplateError,
+    GenerationConfigError,
+    GreedyGenerationConfig,
+    SamplingConfig,
+    SamplingGenerationConfig,
+    load_huggingface_llama_pipeline,
+    load_huggingface_qwen2_pipeline,
+    load_pipeline,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONVERSATIONS = [

@@ -57,8 +57,12 @@ def test_order_is_temperature_then_top_k_then_top_p():
 
 def test_matches_transformers_warpers():
     torch = pytest.importorskip("torch")
-    from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
     rng = np.random.default_rng(0)
     for _ in range(20):
         logits = rng.standard_normal(64).astype(np.float32) * 3

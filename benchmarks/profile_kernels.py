@@ -1,0 +1,76 @@
+"""Time every kernel of one step (decode, or a prefill chunk) of a model on this CPU, heaviest first.
+
+    python -m benchmarks.profile_kernels --shape qwen2.5-0.5b --dtype bfloat16 --tokens 1 --work DIR
+
+Kernels run alone, repeatedly, on random inputs: small weight matrices stay in cache, so these
+times are a lower bound; `benchmarks.cpu_generate` gives the end-to-end figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+
+import ml_dtypes
+import numpy as np
+import tvm
+
+import models
+from benchmarks.checkpoints import SHAPES, real_shape_checkpoint
+from compiler.kernels import make_kernel
+from compiler.lower import op_signature
+from compiler.target import cpu_target
+from ir import CONTEXT, OPS, TOKENS, infer_types
+from models.checkpoint import check_tensors, scan_checkpoint
+from schedules import cpu
+
+CONTEXT_TOKENS = 512
+
+
+def _random_input(t, rng):
+    if t.shape == ():
+        return 100
+    if t.dtype == "int32":
+        return np.zeros(t.shape, np.int32)
+    data = rng.standard_normal(t.shape).astype(np.float32)
+    return data.astype(ml_dtypes.bfloat16 if t.dtype == "bfloat16" else t.dtype)
+
+
+def main() -> None:
+    """Build each distinct kernel of the step, time it, print a table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tokens", type=int, default=1, help="1: a decode step; more: a prefill chunk")
+    parser.add_argument("--work", required=True, help="where the random checkpoint is kept")
+    args = parser.parse_args()
+    model_dir = real_shape_checkpoint(args.work, args.shape, args.dtype)
+    config = models.load_config(model_dir)
+    program = models.build_program(config, check_tensors(scan_checkpoint(model_dir), models.checkpoint_shapes(config),
+                                                         model_dir))
+    target, dev, rng = cpu_target(), tvm.cpu(), np.random.default_rng(0)
+    entry = "decode" if args.tokens == 1 else "prefill"
+    graph = program.entries[entry]
+    uses = Counter(op_signature(graph, program, op, {TOKENS: args.tokens, CONTEXT: CONTEXT_TOKENS})
+                   for op in graph.ops)
+    rows, total = [], 0.0
+    for sig, count in uses.items():
+        attrs = json.loads(sig.attrs_json)
+        kernel = make_kernel(sig.kind, list(sig.types), attrs)
+        lib = tvm.compile(cpu.schedule(kernel.func, sig.kind, target.lanes), target.tvm_target())
+        inputs = [_random_input(t, rng) for t in sig.types]
+        call = [x if isinstance(x, int) else tvm.runtime.tensor(x, dev) for x in inputs]
+        call += [tvm.runtime.tensor(c, dev) for c in kernel.constants]
+        if not OPS[sig.kind].inplace:
+            call += [tvm.runtime.empty(o.shape, o.dtype, dev) for o in infer_types(sig.kind, list(sig.types), attrs)]
+        ms = lib.mod.time_evaluator("main", dev, number=5, repeat=3)(*call).median * 1e3
+        total += ms * count
+        rows.append((ms * count, sig.kind, count, ms, ", ".join(str(t) for t in sig.types[:2])))
+    for step_ms, kind, count, ms, types in sorted(rows, reverse=True):
+        print(f"{step_ms:9.2f} ms  {kind:12s} x{count:<3d} {ms:8.3f} ms each  {types}")
+    print(f"{total:9.2f} ms  total ({entry}, {args.tokens} token(s), {args.shape} {args.dtype})")
+
+
+if __name__ == "__main__":
+    main()
