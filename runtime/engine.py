@@ -40,6 +40,15 @@ class KVCache:
     length: int = 0
 
 
+def prefill_chunk(remaining: int, buckets: list[int]) -> int:
+    """The bucket for the next prefill chunk: the largest that is filled, else the smallest that holds the rest.
+
+    Padding is wasted work, so 100 tokens with buckets (16, 64, 256) run as 64 + 64, not one 256.
+    """
+    filled = [b for b in buckets if b <= remaining]
+    return filled[-1] if filled else next(b for b in buckets if b >= remaining)
+
+
 class CompiledModel:
     """A model directory's weights bound to its prebuilt artifact."""
 
@@ -117,8 +126,7 @@ class CompiledModel:
         done, logits = 0, None
         while done < len(token_ids):
             rest = len(token_ids) - done
-            usable = [t for t in self.prefill_buckets if t <= cache.capacity]
-            chunk = next((t for t in usable if t >= rest), usable[-1])
+            chunk = prefill_chunk(rest, [t for t in self.prefill_buckets if t <= cache.capacity])
             part = token_ids[done:done + chunk]
             logits = self._run(f"prefill_t{chunk}_c{cache.capacity}", part, chunk, cache)
             done += len(part)

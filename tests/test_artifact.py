@@ -180,3 +180,10 @@ def test_default_buckets_are_capped_by_max_positions():
     buckets = resolve_buckets(None, None, max_positions=1024)
     assert buckets.context == (512,) and buckets.prefill_tokens == (16, 64, 256)
     assert resolve_buckets(None, None, max_positions=300).context == (300,)
+
+
+@pytest.mark.parametrize("remaining,chunk", [(1, 16), (16, 16), (20, 16), (4, 16), (63, 16), (64, 64), (100, 64),
+                                             (255, 64), (256, 256), (1000, 256)])
+def test_prefill_chunks_waste_little_padding(remaining, chunk):
+    from runtime.engine import prefill_chunk
+    assert prefill_chunk(remaining, [16, 64, 256]) == chunk
