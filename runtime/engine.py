@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import tvm
 import tvm_ffi
-from tvm import relax
+from tvm.runtime.vm import VirtualMachine
 
 import models
 from ir import stable_hash
@@ -69,7 +69,7 @@ class CompiledModel:
         entries = scan_checkpoint(model_dir)
         dtypes = check_tensors(entries, models.checkpoint_shapes(self.config), model_dir)
         self._check_manifest(raw, stable_hash(models.build_program(self.config, dtypes)))
-        self._vm = relax.VirtualMachine(tvm.runtime.load_module(str(self.artifact / MODULE)), self.device)
+        self._vm = VirtualMachine(tvm.runtime.load_module(str(self.artifact / MODULE)), self.device)
         self._functions = {name: self._vm[name] for name in self.manifest["functions"]}
         names = [p["name"] for p in self.manifest["params"]]
         self._params = tvm_ffi.Array(load_tensors(entries, names, self.device))
