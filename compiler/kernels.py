@@ -74,6 +74,7 @@ def linear(types, attrs) -> Kernel:
 
 def rope(types, attrs) -> Kernel:
     x, pos = _placeholders(types, ["x", "pos"])
+    position = (lambda i: pos + i) if types[1].shape == () else (lambda i: pos[i])
     freqs = np.asarray(attrs["inv_freq"], dtype=np.float32)
     half, head_dim = len(freqs), attrs["head_dim"]
     inv = te.placeholder((half,), F32, name="inv_freq")
@@ -81,7 +82,7 @@ def rope(types, attrs) -> Kernel:
     def rotate(i, c):
         d = c % head_dim
         base = c - d
-        angle = (pos + i).astype(F32) * inv[d % half]
+        angle = position(i).astype(F32) * inv[d % half]
         partner = tirx.if_then_else(d < half, -x[i, base + d + half], x[i, base + d - half])
         rotated = x[i, c] * te.cos(angle) + partner * te.sin(angle)
         return tirx.if_then_else(d < 2 * half, rotated, x[i, c])
@@ -90,28 +91,48 @@ def rope(types, attrs) -> Kernel:
     return Kernel(te.create_prim_func([x, pos, inv, y]), [freqs])
 
 
+def _attend(q, attrs, length, key, value, visible):
+    """Softmax attention of every query row over `length` cached positions, one stage per block.
+
+    key(i, j, c) / value(i, j, c) read the cached feature c (a column over the KV heads) at
+    position j for query row i; visible(i, j) is the causal mask. The stage names are what the
+    schedules look for.
+    """
+    heads, group, dim = attrs["num_heads"], attrs["num_heads"] // attrs["num_kv_heads"], attrs["head_dim"]
+    rows = q.shape[0]
+    d = te.reduce_axis((0, dim), "d")
+    s = te.compute((heads, rows, length),
+                   lambda h, i, j: te.sum(q[i, h * dim + d] * key(i, j, (h // group) * dim + d), axis=d), name="scores")
+    masked = te.compute((heads, rows, length), lambda h, i, j: tirx.if_then_else(
+        visible(i, j), s[h, i, j] * attrs["scale"], tirx.min_value(F32)), name="masked")
+    j = te.reduce_axis((0, length), "j")
+    m = te.compute((heads, rows), lambda h, i: te.max(masked[h, i, j], axis=j), name="row_max")
+    e = te.compute((heads, rows, length), lambda h, i, jj: te.exp(masked[h, i, jj] - m[h, i]), name="exp")
+    j2 = te.reduce_axis((0, length), "j2")
+    total = te.compute((heads, rows), lambda h, i: te.sum(e[h, i, j2], axis=j2), name="row_sum")
+    j3 = te.reduce_axis((0, length), "j3")
+    acc = te.compute((rows, heads * dim), lambda i, c: te.sum(
+        e[c // dim, i, j3] * value(i, j3, (c // dim // group) * dim + c % dim), axis=j3), name="weighted")
+    return te.compute((rows, heads * dim), lambda i, c: acc[i, c] / total[c // dim, i], name="attention")
+
+
 def attention(types, attrs) -> Kernel:
     q, kc, vc, pos, n = _placeholders(types, ["q", "k_cache", "v_cache", "pos", "n"])
-    heads, group, dim = attrs["num_heads"], attrs["num_heads"] // attrs["num_kv_heads"], attrs["head_dim"]
-    rows, ctx = q.shape[0], pos + n
-    d = te.reduce_axis((0, dim), "d")
-    neg = tirx.min_value(F32)
-
-    s = te.compute((heads, rows, ctx), lambda h, i, j: te.sum(q[i, h * dim + d] * kc[j, (h // group) * dim + d], axis=d),
-                   name="scores")
-    masked = te.compute((heads, rows, ctx),
-                        lambda h, i, j: tirx.if_then_else(j <= pos + i, s[h, i, j] * attrs["scale"], neg), name="masked")
-    j = te.reduce_axis((0, ctx), "j")
-    m = te.compute((heads, rows), lambda h, i: te.max(masked[h, i, j], axis=j), name="row_max")
-    e = te.compute((heads, rows, ctx), lambda h, i, jj: te.exp(masked[h, i, jj] - m[h, i]), name="exp")
-    j2 = te.reduce_axis((0, ctx), "j2")
-    total = te.compute((heads, rows), lambda h, i: te.sum(e[h, i, j2], axis=j2), name="row_sum")
-    j3 = te.reduce_axis((0, ctx), "j3")
-    acc = te.compute((rows, heads * dim),
-                     lambda i, c: te.sum(e[c // dim, i, j3] * vc[j3, (c // dim // group) * dim + c % dim], axis=j3),
-                     name="weighted")
-    out = te.compute((rows, heads * dim), lambda i, c: acc[i, c] / total[c // dim, i], name="attention")
+    out = _attend(q, attrs, pos + n, lambda i, j, c: kc[j, c], lambda i, j, c: vc[j, c], lambda i, j: j <= pos + i)
     return Kernel(te.create_prim_func([q, kc, vc, pos, n, out]))
+
+
+def paged_attention(types, attrs) -> Kernel:
+    q, kp, vp, table, row_of, pos_of = _placeholders(types, ["q", "k_pages", "v_pages", "block_table", "row_of",
+                                                             "pos_of"])
+    block, pages_per_row = int(kp.shape[1]), int(table.shape[1])
+
+    def page(i, j):  # padded table entries are negative: read page 0, the mask hides it
+        return tirx.max(table[row_of[i], j // block], 0)
+
+    out = _attend(q, attrs, pages_per_row * block, lambda i, j, c: kp[page(i, j), j % block, c],
+                  lambda i, j, c: vp[page(i, j), j % block, c], lambda i, j: j <= pos_of[i])
+    return Kernel(te.create_prim_func([q, kp, vp, table, row_of, pos_of, out]))
 
 
 def kv_append(types, attrs) -> Kernel:
@@ -128,6 +149,29 @@ def kv_append(types, attrs) -> Kernel:
                     cache[pos + vi, vc] = new[vi, vc]
 
     return Kernel(func)
+
+
+def paged_kv_append(types, attrs) -> Kernel:
+    pages_t, new_t = types[0], types[1]
+    count, block, width = pages_t.shape
+    rows = new_t.shape[0]
+
+    @T.prim_func(s_tir=True)
+    def func(pages: T.Buffer((count, block, width), "float32"), new: T.Buffer((rows, width), "float32"),
+             slots: T.Buffer((rows,), "int32")):
+        for i, c in T.grid(rows, width):
+            with T.sblock("paged_kv_append"):
+                vi, vc = T.axis.remap("SS", [i, c])
+                if slots[vi] >= 0:
+                    pages[slots[vi] // block, slots[vi] % block, vc] = new[vi, vc]
+
+    return Kernel(func)
+
+
+def take_rows(types, attrs) -> Kernel:
+    x, index = _placeholders(types, ["x", "index"])
+    y = te.compute((index.shape[0], x.shape[1]), lambda r, c: x[index[r], c], name="take_rows")
+    return Kernel(te.create_prim_func([x, index, y]))
 
 
 def silu_mul(types, attrs) -> Kernel:
@@ -149,6 +193,7 @@ def take_last(types, attrs) -> Kernel:
 KERNELS = {
     "embedding": embedding, "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "linear": linear, "rope": rope,
     "attention": attention, "kv_append": kv_append, "silu_mul": silu_mul, "add": add, "take_last": take_last,
+    "paged_kv_append": paged_kv_append, "paged_attention": paged_attention, "take_rows": take_rows,
 }
 
 

@@ -2,7 +2,10 @@
 
 Activations are float32; weights keep their checkpoint dtype (the kernels widen them).
 Scalars (`pos`, `n`) are int32 tensors of shape (): the start position of the new tokens in
-the KV cache and the number of valid (unpadded) new tokens.
+the KV cache and the number of valid (unpadded) new tokens. The paged ops serve batches of
+sequences: their KV lives in pages of a shared arena [pages, block, width]; each token row says
+which sequence it belongs to (`row_of`), its position (`pos_of`), and where its K/V go (`slots`:
+page * block + offset, negative for padding rows).
 """
 
 from __future__ import annotations
@@ -69,10 +72,16 @@ def _linear(ins, attrs):
     return [TensorType((x.shape[0], w.shape[0]), "float32")]
 
 
+def _positions(pos: TensorType, rows, what: str) -> None:
+    """A start position (int32 scalar) or one position per row (int32 vector)."""
+    _check(pos.dtype == "int32" and (pos.shape == () or pos.shape == (rows,)),
+           f"{what} must be an int32 scalar or one int32 position per row ({rows}), got {pos}")
+
+
 def _rope(ins, attrs):
     x, pos = ins
     _act(x, 2, "rope input")
-    _scalar(pos, "rope pos")
+    _positions(pos, x.shape[0], "rope pos")
     head_dim, inv_freq = attrs["head_dim"], attrs["inv_freq"]
     _check(isinstance(head_dim, int) and head_dim > 0, f"rope head_dim must be a positive int, got {head_dim!r}")
     _check(x.shape[1] % head_dim == 0, f"rope features {x.shape[1]} not a multiple of head_dim {head_dim}")
@@ -105,6 +114,39 @@ def _attention(ins, attrs):
     _scalar(pos, "attention pos")
     _scalar(n, "attention n")
     return [q]
+
+
+def _paged_kv_append(ins, attrs):
+    pages, new, slots = ins
+    _check(pages.dtype == "float32" and len(pages.shape) == 3, f"KV pages must be float32 [pages, block, width], got {pages}")
+    _act(new, 2, "paged_kv_append new rows")
+    _check(new.shape[1] == pages.shape[2], f"paged_kv_append rows {new} do not fit pages {pages}")
+    _check(slots == TensorType((new.shape[0],), "int32"), f"paged_kv_append slots must be int32[{new.shape[0]}], got {slots}")
+    return [pages]
+
+
+def _paged_attention(ins, attrs):
+    q, k, v, table, row_of, pos_of = ins
+    heads, kv_heads, head_dim = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
+    _check(all(isinstance(x, int) and x > 0 for x in (heads, kv_heads, head_dim)) and heads % kv_heads == 0,
+           f"paged_attention heads {heads!r} / kv heads {kv_heads!r} / head_dim {head_dim!r} are inconsistent")
+    _act(q, 2, "paged_attention query")
+    _check(q.shape[1] == heads * head_dim, f"paged_attention query {q} is not {heads} heads of {head_dim}")
+    for pages, what in ((k, "key"), (v, "value")):
+        _check(pages.dtype == "float32" and len(pages.shape) == 3 and pages.shape[2] == kv_heads * head_dim,
+               f"paged_attention {what} pages {pages} are not [pages, block, {kv_heads} heads of {head_dim}]")
+    _check(k.shape == v.shape, f"key pages {k} and value pages {v} differ")
+    _check(table.dtype == "int32" and len(table.shape) == 2, f"paged_attention block table must be int32[rows, pages], got {table}")
+    for t, what in ((row_of, "row_of"), (pos_of, "pos_of")):
+        _check(t == TensorType((q.shape[0],), "int32"), f"paged_attention {what} must be int32[{q.shape[0]}], got {t}")
+    return [q]
+
+
+def _take_rows(ins, attrs):
+    x, index = ins
+    _act(x, 2, "take_rows input")
+    _check(index.dtype == "int32" and len(index.shape) == 1, f"take_rows index must be an int32 vector, got {index}")
+    return [TensorType((index.shape[0], x.shape[1]), "float32")]
 
 
 def _elementwise(ins, attrs):
@@ -144,6 +186,10 @@ OPS: dict[str, OpSpec] = {
     "silu_mul": OpSpec(("gate", "up"), (), _elementwise),
     "add": OpSpec(("a", "b"), (), _elementwise),
     "take_last": OpSpec(("x", "n"), (), _take_last),
+    "paged_kv_append": OpSpec(("pages", "new", "slots"), (), _paged_kv_append, inplace=(0,)),
+    "paged_attention": OpSpec(("q", "k_pages", "v_pages", "block_table", "row_of", "pos_of"),
+                              ("num_heads", "num_kv_heads", "head_dim", "scale"), _paged_attention),
+    "take_rows": OpSpec(("x", "index"), (), _take_rows),
 }
 
 

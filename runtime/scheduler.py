@@ -19,8 +19,9 @@ import enum
 import hashlib
 import numbers
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
-from typing import Iterable, NewType
+from typing import NewType
 
 from ir.errors import RudaError
 
@@ -340,7 +341,6 @@ class ContinuousBatchScheduler:
             raise SchedulerError(f"batch {batch_id} has {len(outstanding.rows)} rows: expected exactly one generated "
                                  f"token per row, got {len(tokens)}")
         self._outstanding = None
-        self._last_kind = None if not outstanding.rows else self._last_kind
         for (request, start, end), token in zip(outstanding.rows, tokens):
             self._advance(request, start, end, token)
 
@@ -527,7 +527,7 @@ class ContinuousBatchScheduler:
                                                   reason))
 
     def _finish_reason(self, request: _Request, token: int) -> str | None:
-        """ "eos", "length", or None to go on."""
+        """Why the request stops after `token`: "eos", "length", or None to go on."""
         if token in request.eos:
             return "eos"
         if len(request.generated) >= request.max_new_tokens or len(request.tokens) >= self._kv_config.max_sequence_length:

@@ -109,7 +109,8 @@ def _attention(sch: s_tir.Schedule, lanes: int) -> None:
         sch.vectorize(sch.split(lane, [None, lanes])[1])
 
 
-SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "attention": _attention}
+SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "attention": _attention,
+             "paged_attention": _attention}
 
 
 def schedule(func: tirx.PrimFunc, kind: str, lanes: int) -> tirx.PrimFunc:

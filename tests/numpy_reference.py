@@ -72,3 +72,33 @@ def add(a, b):
 
 def take_last(x, n):
     return x[n - 1:n]
+
+
+def rope_at(x, positions, head_dim, inv_freq):
+    """rope with one position per row."""
+    return np.concatenate([rope(x[i:i + 1], int(p), head_dim, inv_freq) for i, p in enumerate(positions)])
+
+
+def paged_kv_append(pages, new, slots):
+    out = pages.copy()
+    block = pages.shape[1]
+    for row, slot in zip(new, slots):
+        if slot >= 0:
+            out[slot // block, slot % block] = row
+    return out
+
+
+def paged_attention(q, k_pages, v_pages, table, row_of, pos_of, num_heads, num_kv_heads, head_dim, scale):
+    block = k_pages.shape[1]
+    out = np.zeros_like(q)
+    for t in range(q.shape[0]):
+        ctx = pos_of[t] + 1
+        pages = table[row_of[t]]
+        k = np.stack([k_pages[pages[j // block], j % block] for j in range(ctx)])
+        v = np.stack([v_pages[pages[j // block], j % block] for j in range(ctx)])
+        out[t] = attention(q[t:t + 1], k, v, ctx - 1, 1, num_heads, num_kv_heads, head_dim, scale)[0]
+    return out
+
+
+def take_rows(x, index):
+    return x[index]

@@ -152,3 +152,54 @@ def test_asking_for_cuda_without_a_gpu_is_a_clear_error(checkpoints, tmp_path):
         CompiledModel(checkpoints["qwen2"], tmp_path / "anything", device="cuda")
     with pytest.raises(GenerationError, match="device 'tpu' is not supported; valid: cpu, cuda"):
         CompiledModel(checkpoints["qwen2"], tmp_path / "anything", device="tpu")
+
+
+def _t(shape, dtype="float32"):
+    from ir import TensorType
+    return TensorType(tuple(shape), dtype)
+
+
+ATTN = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "scale": 0.25}
+OP_SAMPLES = {
+    "embedding": ([_t((50, 32), "bfloat16"), _t((4,), "int32")], {}),
+    "rms_norm": ([_t((4, 64)), _t((64,), "bfloat16")], {"eps": 1e-6}),
+    "add_rms_norm": ([_t((4, 64)), _t((4, 64)), _t((64,))], {"eps": 1e-6}),
+    "linear": ([_t((1, 128)), _t((96, 128), "bfloat16"), _t((96,), "bfloat16")], {}),
+    "rope": ([_t((4, 64)), _t((4,), "int32")], {"head_dim": 16, "inv_freq": [1.0, 0.1, 0.01, 0.001]}),
+    "kv_append": ([_t((64, 32)), _t((4, 32)), _t((), "int32"), _t((), "int32")], {}),
+    "attention": ([_t((4, 64)), _t((64, 32)), _t((64, 32)), _t((), "int32"), _t((), "int32")], ATTN),
+    "silu_mul": ([_t((4, 64)), _t((4, 64))], {}),
+    "add": ([_t((4, 64)), _t((4, 64))], {}),
+    "take_last": ([_t((4, 64)), _t((), "int32")], {}),
+    "paged_kv_append": ([_t((8, 4, 32)), _t((4, 32)), _t((4,), "int32")], {}),
+    "paged_attention": ([_t((4, 64)), _t((8, 4, 32)), _t((8, 4, 32)), _t((2, 3), "int32"), _t((4,), "int32"),
+                         _t((4,), "int32")], ATTN),
+    "take_rows": ([_t((4, 64)), _t((2,), "int32")], {}),
+}
+
+
+def test_every_op_has_a_gpu_sample():
+    from ir import OPS
+    assert set(OP_SAMPLES) == set(OPS)
+
+
+@pytest.mark.parametrize("kind", sorted(OP_SAMPLES))
+def test_every_op_compiles_to_ptx_through_the_direct_path(kind, tmp_path):
+    import tvm
+
+    from compiler.kernels import make_kernel
+    from schedules import gpu
+
+    types, attrs = OP_SAMPLES[kind]
+    target = cuda_target("sm_90", "ptx")
+    cuda.prepare_environment()
+    func = gpu.schedule(make_kernel(kind, types, attrs).func, kind)
+    device = tvm.compile(func, target.tvm_target()).mod.imports[0]
+    ptx = cuda.finish_ptx(device.inspect_source("ptx"), [], None)
+    names = re.findall(r"^\.visible \.func (\w+_kernel(?:_\d+)?)\(", ptx, re.M)
+    ptx_file = tmp_path / "k.ptx"
+    ptx_file.write_text(cuda.finish_ptx(ptx, names, None))
+    assembled = subprocess.run(["ptxas", "-v", "-arch=sm_90", str(ptx_file), "-o", "/dev/null"], capture_output=True,
+                               text=True)
+    assert assembled.returncode == 0, assembled.stderr
+    assert len(re.findall(r"Compiling entry function", assembled.stderr)) == len(names) >= 1

@@ -116,3 +116,38 @@ def test_silu_mul_and_add(rows, width):
 def test_take_last(n):
     x = rand(8, 16)
     close(run_kernel("take_last", [x, n], {})[0], ref.take_last(x, n))
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_rope_with_a_position_per_row(rows):
+    x = rand(rows, 32)
+    positions = RNG.integers(0, 500, rows).astype(np.int32)
+    inv_freq = [1.0 / 10000 ** (2 * i / 16) for i in range(8)]
+    attrs = {"head_dim": 16, "inv_freq": inv_freq}
+    close(run_kernel("rope", [x, positions], attrs)[0], ref.rope_at(x, positions, 16, inv_freq), tol=1e-4)
+
+
+def test_paged_kv_append_writes_slots_and_skips_padding():
+    pages, new = rand(6, 4, 24), rand(5, 24)
+    slots = np.array([0, 9, 23, -1, 5], dtype=np.int32)
+    close(run_kernel("paged_kv_append", [pages, new, slots], {})[0], ref.paged_kv_append(pages, new, slots))
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2)])
+def test_paged_attention_over_scattered_pages(heads, kv_heads):
+    head_dim, block = 16, 4
+    k_pages, v_pages = rand(9, block, kv_heads * head_dim), rand(9, block, kv_heads * head_dim)
+    table = np.array([[3, 7, 1], [5, -1, -1], [0, 2, 8]], dtype=np.int32)  # rows of 9..12, 1..4, 9..12 tokens
+    # a decode token of row 0 at position 10, a prefill chunk of row 1 (positions 0..3), one token of row 2
+    row_of = np.array([0, 1, 1, 1, 1, 2], dtype=np.int32)
+    pos_of = np.array([10, 0, 1, 2, 3, 8], dtype=np.int32)
+    q = rand(6, heads * head_dim)
+    attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "scale": head_dim ** -0.5}
+    got = run_kernel("paged_attention", [q, k_pages, v_pages, table, row_of, pos_of], attrs)[0]
+    close(got, ref.paged_attention(q, k_pages, v_pages, table, row_of, pos_of, **attrs), tol=1e-4)
+
+
+def test_take_rows():
+    x = rand(7, 12)
+    index = np.array([6, 0, 3], dtype=np.int32)
+    close(run_kernel("take_rows", [x, index], {})[0], ref.take_rows(x, index))
