@@ -1,24 +1,31 @@
-"""The runtime: load a prebuilt artifact with its weights and tokenizer, and generate."""
+"""The runtime: load a prebuilt artifact with its weights and tokenizer, and generate.
 
-from .artifact import ArtifactError, default_artifact_dir
-from .chat_template import ChatMessage, ChatTemplateError
-from .engine import CompiledModel, GenerationError, KVCache
-from .generation import GeneratedTokens, TokenStream, generate
-from .pipeline import (
-                       GeneratedText,
-                       Pipeline,
-                       TextStream,
-                       load_huggingface_llama_pipeline,
-                       load_huggingface_qwen2_pipeline,
-                       load_pipeline,
-)
-from .sampling import GenerationConfigError, GreedyGenerationConfig, SamplingConfig, SamplingGenerationConfig
-from .tokenizer import Tokenizer, TokenizerError, default_eos_token_ids
+Names are imported from their modules on first use, so `runtime.scheduler` (pure Python) and the
+tokenizer work without loading TVM.
+"""
 
-__all__ = [
-    "ArtifactError", "ChatMessage", "ChatTemplateError", "CompiledModel", "GeneratedText", "GeneratedTokens",
-    "GenerationConfigError", "GenerationError", "GreedyGenerationConfig", "KVCache", "Pipeline", "SamplingConfig",
-    "SamplingGenerationConfig", "TextStream", "TokenStream", "Tokenizer", "TokenizerError", "default_artifact_dir",
-    "default_eos_token_ids", "generate", "load_huggingface_llama_pipeline", "load_huggingface_qwen2_pipeline",
-    "load_pipeline",
-]
+from importlib import import_module
+
+_EXPORTS = {
+    "artifact": ["ArtifactError", "default_artifact_dir"],
+    "chat_template": ["ChatMessage", "ChatTemplateError"],
+    "engine": ["CompiledModel", "GenerationError", "KVCache"],
+    "generation": ["GeneratedTokens", "TokenStream", "generate"],
+    "pipeline": ["GeneratedText", "Pipeline", "TextStream", "load_huggingface_llama_pipeline",
+                 "load_huggingface_qwen2_pipeline", "load_pipeline"],
+    "sampling": ["GenerationConfigError", "GreedyGenerationConfig", "SamplingConfig", "SamplingGenerationConfig"],
+    "scheduler": ["BatchKind", "ContinuousBatchConfig", "ContinuousBatchScheduler", "FinishedRequest",
+                  "PagedKvCacheConfig", "RequestId", "ScheduledBatch", "ScheduledSequence", "SchedulerError"],
+    "tokenizer": ["Tokenizer", "TokenizerError", "default_eos_token_ids"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    """Import an exported name from its module on first use."""
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+    value = getattr(import_module(f".{_MODULE_OF[name]}", __name__), name)
+    globals()[name] = value
+    return value

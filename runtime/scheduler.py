@@ -41,9 +41,12 @@ def _is_int(value) -> bool:
 
 def _token_ids(values, name: str) -> list[int]:
     """The values as a list of non-negative int token ids, or a SchedulerError naming `name`."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise SchedulerError(f"{name} must be a list of token ids, got {type(values).__name__}")
-    tokens = list(values)
+    try:
+        if isinstance(values, (str, bytes)):
+            raise TypeError
+        tokens = list(values)
+    except TypeError:
+        raise SchedulerError(f"{name} must be a list of token ids, got {type(values).__name__}") from None
     for index, token in enumerate(tokens):
         if not _is_int(token) or token < 0:
             raise SchedulerError(f"{name}[{index}] must be a non-negative int token id, got {token!r}")
@@ -362,7 +365,7 @@ class ContinuousBatchScheduler:
         return finished
 
     def check_invariants(self) -> None:
-        """Debug check: every page is free xor held, refcounts match holders, shared pages are full and never written."""
+        """Debug check: each page is free xor held, refcounts match holders, shared pages are full and not written."""
         block_size = self._kv_config.block_size
         holders = [0] * self.num_pages
         _check(len(self._running) <= self._batch_config.max_active_sequences, "more running than max_active_sequences")
@@ -530,7 +533,8 @@ class ContinuousBatchScheduler:
         """Why the request stops after `token`: "eos", "length", or None to go on."""
         if token in request.eos:
             return "eos"
-        if len(request.generated) >= request.max_new_tokens or len(request.tokens) >= self._kv_config.max_sequence_length:
+        too_long = len(request.tokens) >= self._kv_config.max_sequence_length
+        if len(request.generated) >= request.max_new_tokens or too_long:
             return "length"
         return None
 

@@ -294,6 +294,10 @@ GOOD = {
     "silu_mul": ([X, X], {}, [X]),
     "add": ([X, X], {}, [X]),
     "take_last": ([X, SCALAR], {}, [_t(1, HIDDEN)]),
+    "paged_kv_append": ([_t(9, 4, KV), _t(TOKENS, KV), _t(TOKENS, dtype=I32)], {}, [_t(9, 4, KV)]),
+    "paged_attention": ([X, _t(9, 4, KV), _t(9, 4, KV), _t(3, 5, dtype=I32), _t(TOKENS, dtype=I32),
+                         _t(TOKENS, dtype=I32)], ATTN, [X]),
+    "take_rows": ([X, _t(3, dtype=I32)], {}, [_t(3, HIDDEN)]),
 }
 
 
@@ -341,6 +345,15 @@ BAD = [
     ("add bfloat16 activations", ("add", [_t(TOKENS, HIDDEN, dtype="bfloat16")] * 2, {})),
     ("take_last n not scalar", _with("take_last", 1, _t(TOKENS, dtype=I32))),
     ("take_last input rank 1", _with("take_last", 0, _t(HIDDEN))),
+    ("paged_kv_append pages rank 2", _with("paged_kv_append", 0, _t(36, KV))),
+    ("paged_kv_append slots float", _with("paged_kv_append", 2, _t(TOKENS))),
+    ("paged_kv_append width mismatch", _with("paged_kv_append", 1, _t(TOKENS, KV + 1))),
+    ("paged_attention pages width", _with("paged_attention", 1, _t(9, 4, KV + 2))),
+    ("paged_attention key/value differ", _with("paged_attention", 2, _t(8, 4, KV))),
+    ("paged_attention table rank 1", _with("paged_attention", 3, _t(15, dtype=I32))),
+    ("paged_attention row_of length", _with("paged_attention", 4, _t(2, dtype=I32))),
+    ("take_rows index float", _with("take_rows", 1, _t(3))),
+    ("rope positions length", _with("rope", 1, _t(2, dtype=I32))),
 ]
 
 
