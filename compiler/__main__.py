@@ -33,6 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--context-buckets", type=_sizes, metavar="N,N,...",
                    help="KV cache capacities in tokens (default: "
                         f"{','.join(map(str, DEFAULT_CONTEXT_BUCKETS))}, capped at max_position_embeddings)")
+    b.add_argument("--batch-rows", type=_sizes, metavar="N,N,...",
+                   help="also build batched steps (continuous batching over a paged KV arena) for these "
+                        "sequence counts per step (default: none)")
+    b.add_argument("--kv-pages", type=int, help="batched: pages in the KV arena (default: enough for the largest "
+                                                  "row count at the largest context)")
+    b.add_argument("--kv-block-size", type=int, help="batched: tokens per KV page (default 16)")
     b.add_argument("--mcpu", help="llvm: the CPU to compile for (default: this machine's CPU)")
     b.add_argument("--arch", help=f"cuda: GPU architecture, one of {', '.join(ARCHS)} (default sm_90)")
     b.add_argument("--cuda-compiler", help=f"cuda: code path, one of {', '.join(COMPILERS)} (default: ${COMPILER_ENV}, "
@@ -45,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = build(args.model_dir, target=args.target, out=args.out, prefill_buckets=args.prefill_buckets,
                        context_buckets=args.context_buckets, mcpu=args.mcpu, arch=args.arch,
-                       cuda_compiler=args.cuda_compiler, ptx_version=args.ptx_version, force=args.force,
+                       cuda_compiler=args.cuda_compiler, ptx_version=args.ptx_version,
+                       batch_rows=args.batch_rows, kv_pages=args.kv_pages, kv_block=args.kv_block_size, force=args.force,
                        quiet=args.quiet)
     except RudaError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -55,8 +55,14 @@ def code_hash() -> str:
     return h.hexdigest()
 
 
-def resolve_buckets(prefill: tuple[int, ...] | None, context: tuple[int, ...] | None, max_positions: int) -> Buckets:
-    """Validated buckets; context capacities above the model's max_position_embeddings are capped."""
+def resolve_buckets(prefill: tuple[int, ...] | None, context: tuple[int, ...] | None, max_positions: int,
+                    batch_rows: tuple[int, ...] | None = None, kv_pages: int | None = None,
+                    kv_block: int | None = None) -> Buckets:
+    """Validated buckets; context capacities above the model's max_position_embeddings are capped.
+
+    Batched execution is built only when `batch_rows` is given; the KV arena then defaults to enough
+    pages for the largest row count at the largest context.
+    """
     prefill = tuple(sorted(set(prefill or DEFAULT_PREFILL_BUCKETS)))
     if context is None:
         context = tuple(c for c in DEFAULT_CONTEXT_BUCKETS if c <= max_positions) or (max_positions,)
@@ -69,7 +75,23 @@ def resolve_buckets(prefill: tuple[int, ...] | None, context: tuple[int, ...] | 
     if prefill[0] > context[0]:
         raise BuildError(f"--context-buckets {context[0]} is smaller than the smallest prefill bucket {prefill[0]}; "
                          "every KV cache must hold at least one prefill chunk")
-    return Buckets(prefill, context)
+    if not batch_rows:
+        if kv_pages is not None or kv_block is not None:
+            raise BuildError("--kv-pages and --kv-block-size need --batch-rows (batched execution)")
+        return Buckets(prefill, context)
+    rows = tuple(sorted(set(batch_rows)))
+    block = 16 if kv_block is None else kv_block
+    for name, values in (("--batch-rows", rows), ("--kv-block-size", (block,))):
+        if any(not isinstance(v, int) or v <= 0 for v in values):
+            raise BuildError(f"{name} must be positive integers, got {list(values)}")
+    if rows[-1] > prefill[-1]:
+        raise BuildError(f"--batch-rows {rows[-1]} exceeds the largest prefill bucket {prefill[-1]} (tokens per step)")
+    buckets = Buckets(prefill, context, rows, 0, block)
+    pages = rows[-1] * buckets.pages_per_row if kv_pages is None else kv_pages
+    if pages < buckets.pages_per_row:
+        raise BuildError(f"--kv-pages {pages} cannot hold one sequence of {context[-1]} tokens "
+                         f"({buckets.pages_per_row} pages of {block})")
+    return Buckets(prefill, context, rows, pages, block)
 
 
 def make_target(target: str, *, mcpu: str | None = None, arch: str | None = None,
@@ -91,7 +113,8 @@ def make_target(target: str, *, mcpu: str | None = None, arch: str | None = None
 def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None = None,
           prefill_buckets: tuple[int, ...] | None = None, context_buckets: tuple[int, ...] | None = None,
           mcpu: str | None = None, arch: str | None = None, cuda_compiler: str | None = None,
-          ptx_version: str | None = None, force: bool = False, quiet: bool = False) -> BuildResult:
+          ptx_version: str | None = None, batch_rows: tuple[int, ...] | None = None, kv_pages: int | None = None,
+          kv_block: int | None = None, force: bool = False, quiet: bool = False) -> BuildResult:
     """Compile a model directory into an artifact directory (reusing it when nothing changed)."""
     start = time.perf_counter()
     tgt = make_target(target, mcpu=mcpu, arch=arch, cuda_compiler=cuda_compiler, ptx_version=ptx_version)
@@ -99,7 +122,8 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
     config = models.parse_config(raw, str(config_path))
     dtypes = check_tensors(scan_checkpoint(model_dir), models.checkpoint_shapes(config), model_dir)
     program = models.build_program(config, dtypes)
-    buckets = resolve_buckets(prefill_buckets, context_buckets, config.max_position_embeddings)
+    buckets = resolve_buckets(prefill_buckets, context_buckets, config.max_position_embeddings, batch_rows, kv_pages,
+                              kv_block)
     out = Path(out) if out is not None else default_artifact_dir(model_dir, target)
     manifest = {
         "format": FORMAT,
@@ -108,7 +132,9 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
         "config_hash": config_hash(raw),
         "ir_hash": stable_hash(program),
         "target": tgt.describe(),
-        "buckets": {"prefill_tokens": list(buckets.prefill_tokens), "context": list(buckets.context)},
+        "buckets": {"prefill_tokens": list(buckets.prefill_tokens), "context": list(buckets.context),
+                    "batch_rows": list(buckets.batch_rows), "kv_pages": buckets.kv_pages, "kv_block": buckets.kv_block,
+                    "pages_per_row": buckets.pages_per_row},
         "tvm_version": tvm.__version__,
         "code_hash": code_hash(),
         "params": [{"name": p.name, "dtype": p.type.dtype, "shape": list(p.type.shape)} for p in program.params.values()],

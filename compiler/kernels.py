@@ -111,8 +111,9 @@ def _attend(q, attrs, length, key, value, visible):
     j2 = te.reduce_axis((0, length), "j2")
     total = te.compute((heads, rows), lambda h, i: te.sum(e[h, i, j2], axis=j2), name="row_sum")
     j3 = te.reduce_axis((0, length), "j3")
-    acc = te.compute((rows, heads * dim), lambda i, c: te.sum(
-        e[c // dim, i, j3] * value(i, j3, (c // dim // group) * dim + c % dim), axis=j3), name="weighted")
+    acc = te.compute((rows, heads * dim), lambda i, c: te.sum(tirx.if_then_else(  # never read hidden slots: may be NaN
+        visible(i, j3), e[c // dim, i, j3] * value(i, j3, (c // dim // group) * dim + c % dim), 0.0), axis=j3),
+        name="weighted")
     return te.compute((rows, heads * dim), lambda i, c: acc[i, c] / total[c // dim, i], name="attention")
 
 

@@ -15,23 +15,36 @@ import tvm
 from tvm import relax
 from tvm.ir import PrimType
 
-from ir import CONTEXT, OPS, TOKENS, Graph, Program, TensorType
+from ir import BLOCK, CONTEXT, OPS, PAGES, PAGES_PER_ROW, ROWS, TOKENS, Graph, Program, TensorType
 
 from .kernels import Kernel, make_kernel
 
 
 @dataclass(frozen=True)
 class Buckets:
-    """The shape specialisations built: prefill chunk sizes and KV cache capacities (tokens)."""
+    """The shape specialisations built: prefill chunk sizes and KV cache capacities (tokens), and for
+    batched execution (`batch_rows` non-empty) the sequences per step, the KV arena's page count and
+    the page size. A batch step carries up to the largest prefill bucket of tokens."""
 
     prefill_tokens: tuple[int, ...]
     context: tuple[int, ...]
+    batch_rows: tuple[int, ...] = ()
+    kv_pages: int = 0
+    kv_block: int = 16
+
+    @property
+    def pages_per_row(self) -> int:
+        """Block-table width: pages covering the largest context."""
+        return -(-self.context[-1] // self.kv_block)
 
     def functions(self) -> list[tuple[str, str, dict[str, int]]]:
         """(VM function name, entry name, dim bindings) for every specialisation."""
         out = [(f"decode_c{c}", "decode", {CONTEXT: c}) for c in self.context]
         out += [(f"prefill_t{t}_c{c}", "prefill", {TOKENS: t, CONTEXT: c})
                 for c in self.context for t in self.prefill_tokens if t <= c]
+        arena = {PAGES: self.kv_pages, BLOCK: self.kv_block, PAGES_PER_ROW: self.pages_per_row}
+        out += [(f"step_t{t}_r{r}", "step", {TOKENS: t, ROWS: r, **arena})
+                for t in self.prefill_tokens for r in self.batch_rows if r <= t]
         return out
 
 

@@ -11,8 +11,12 @@ Dim = Union[int, str]
 DTYPES = ("float32", "float16", "bfloat16", "int32")
 
 # Symbolic dims the compiler binds per shape bucket.
-TOKENS = "tokens"
-CONTEXT = "context"
+TOKENS = "tokens"  # new tokens in one call (a prefill chunk, or every row of a batch step)
+CONTEXT = "context"  # KV cache capacity of one sequence
+ROWS = "rows"  # sequences in one batch step
+PAGES = "pages"  # pages in the shared KV arena of batched execution
+BLOCK = "block"  # tokens per KV page
+PAGES_PER_ROW = "pages_per_row"  # block-table width: pages one sequence may hold
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,11 @@ from dataclasses import asdict, dataclass
 from typing import Mapping
 
 from ir import (
+    BLOCK,
     CONTEXT,
+    PAGES,
+    PAGES_PER_ROW,
+    ROWS,
     TOKENS,
     GraphBuilder,
     Param,
@@ -128,6 +132,7 @@ def build_decoder_program(c: DecoderConfig, param_dtypes: Mapping[str, str] | No
     dtypes = param_dtypes or {}
     params = {n: Param(n, TensorType(s, dtypes.get(n, c.dtype))) for n, s in checkpoint_shapes(c).items()}
     entries = {name: _entry(c, params, name, tokens) for name, tokens in (("prefill", TOKENS), ("decode", 1))}
+    entries["step"] = _step_entry(c, params)
     meta = {"config": asdict(c)}
     return verify(Program(c.model_type, params, entries, meta))
 
@@ -142,7 +147,11 @@ def _entry(c: DecoderConfig, params: dict[str, Param], name: str, tokens):
               for i in range(c.num_hidden_layers)]
     h = g.op("embedding", ["model.embed_tokens.weight", ids], "embed")
     for i, (k_cache, v_cache) in enumerate(caches):
-        h = _layer(g, c, f"model.layers.{i}.", h, k_cache, v_cache, pos, n)
+        def attend(q, k, v, p, k_cache=k_cache, v_cache=v_cache):
+            k_all = g.op("kv_append", [k_cache, k, pos, n], p + "k_cache")
+            v_all = g.op("kv_append", [v_cache, v, pos, n], p + "v_cache")
+            return g.op("attention", [q, k_all, v_all, pos, n], p + "attn", **_attention_attrs(c))
+        h = _layer(g, c, f"model.layers.{i}.", h, pos, attend)
     h = g.op("rms_norm", [h, "model.norm.weight"], "final_norm", eps=c.rms_norm_eps)
     if tokens != 1:
         h = g.op("take_last", [h, n], "last")
@@ -152,7 +161,41 @@ def _entry(c: DecoderConfig, params: dict[str, Param], name: str, tokens):
     return eliminate_dead_values(fuse_add_rms_norm(graph))
 
 
-def _layer(g: GraphBuilder, c: DecoderConfig, p: str, h: str, k_cache: str, v_cache: str, pos: str, n: str) -> str:
+def _step_entry(c: DecoderConfig, params: dict[str, Param]):
+    """Batched execution over a paged KV arena: the tokens of many sequences in one flat row list.
+
+    Each token row says its sequence (`row_of`), position (`pos_of`) and KV slot (`slots`, page *
+    block + offset, negative for padding); `block_table` maps each sequence's positions to pages;
+    `last` picks each sequence's row whose logits are wanted.
+    """
+    g = GraphBuilder("step", params)
+    ids = g.input("ids", (TOKENS,), "int32")
+    pos_of, row_of, slots = (g.input(name, (TOKENS,), "int32") for name in ("pos_of", "row_of", "slots"))
+    table = g.input("block_table", (ROWS, PAGES_PER_ROW), "int32")
+    last = g.input("last", (ROWS,), "int32")
+    kv = c.num_key_value_heads * c.head_dim
+    arenas = [tuple(g.input(f"{kind}_pages.{i}", (PAGES, BLOCK, kv), "float32") for kind in ("k", "v"))
+              for i in range(c.num_hidden_layers)]
+    h = g.op("embedding", ["model.embed_tokens.weight", ids], "embed")
+    for i, (k_pages, v_pages) in enumerate(arenas):
+        def attend(q, k, v, p, k_pages=k_pages, v_pages=v_pages):
+            k_all = g.op("paged_kv_append", [k_pages, k, slots], p + "k_pages")
+            v_all = g.op("paged_kv_append", [v_pages, v, slots], p + "v_pages")
+            return g.op("paged_attention", [q, k_all, v_all, table, row_of, pos_of], p + "attn", **_attention_attrs(c))
+        h = _layer(g, c, f"model.layers.{i}.", h, pos_of, attend)
+    h = g.op("rms_norm", [h, "model.norm.weight"], "final_norm", eps=c.rms_norm_eps)
+    h = g.op("take_rows", [h, last], "last_rows")
+    head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+    return eliminate_dead_values(fuse_add_rms_norm(g.finish([g.op("linear", [h, head], "logits")])))
+
+
+def _attention_attrs(c: DecoderConfig) -> dict:
+    return {"num_heads": c.num_attention_heads, "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+            "scale": c.head_dim ** -0.5}
+
+
+def _layer(g: GraphBuilder, c: DecoderConfig, p: str, h: str, pos: str, attend) -> str:
+    """One decoder layer; `attend(q, k, v, prefix)` stores k/v in the cache and attends over it."""
     x = g.op("rms_norm", [h, p + "input_layernorm.weight"], p + "attn_norm", eps=c.rms_norm_eps)
     qkv = []
     for name in ("q", "k", "v"):
@@ -161,10 +204,7 @@ def _layer(g: GraphBuilder, c: DecoderConfig, p: str, h: str, k_cache: str, v_ca
     rope = {"head_dim": c.head_dim, "inv_freq": list(c.rope_inv_freq)}
     q = g.op("rope", [qkv[0], pos], p + "q_rot", **rope)
     k = g.op("rope", [qkv[1], pos], p + "k_rot", **rope)
-    k_all = g.op("kv_append", [k_cache, k, pos, n], p + "k_cache")
-    v_all = g.op("kv_append", [v_cache, qkv[2], pos, n], p + "v_cache")
-    attn = g.op("attention", [q, k_all, v_all, pos, n], p + "attn", num_heads=c.num_attention_heads,
-                num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, scale=c.head_dim ** -0.5)
+    attn = attend(q, k, qkv[2], p)
     h = g.op("add", [h, g.op("linear", [attn, p + "self_attn.o_proj.weight"], p + "attn_out")], p + "attn_res")
     x = g.op("rms_norm", [h, p + "post_attention_layernorm.weight"], p + "mlp_norm", eps=c.rms_norm_eps)
     gate = g.op("linear", [x, p + "mlp.gate_proj.weight"], p + "gate")

@@ -132,6 +132,51 @@ class CompiledModel:
             done += len(part)
         return logits
 
+    def new_arena(self) -> list[tvm.runtime.Tensor]:
+        """The paged KV arena of batched execution: keys and values of every layer, all pages."""
+        b = self.manifest["buckets"]
+        if not b.get("batch_rows"):
+            raise GenerationError(f"{self.artifact} has no batched steps; rebuild with --batch-rows (e.g. "
+                                  f"{build_command(self.model_dir, self.target)} --batch-rows 1,4,16)")
+        shape = (b["kv_pages"], b["kv_block"], self.manifest["kv_width"])
+        return [tvm.runtime.empty(shape, "float32", self.device) for _ in range(2 * self.manifest["num_layers"])]
+
+    def copy_page(self, arena: list[tvm.runtime.Tensor], src: int, dst: int) -> None:
+        """Copy one page of every layer's keys and values (copy-on-write of a shared prefix page)."""
+        for tensor in arena:
+            data = tensor.numpy()
+            data[dst] = data[src]
+            tensor.copyfrom(data)
+
+    def step(self, rows: list[tuple[list[int], int, list[int]]], arena: list[tvm.runtime.Tensor]) -> np.ndarray:
+        """Run one batch: each row is (new token ids, start position, page table); logits after each row's last token."""
+        b = self.manifest["buckets"]
+        block, width = b["kv_block"], b["pages_per_row"]
+        total = sum(len(ids) for ids, _, _ in rows)
+        tokens = next((t for t in b["prefill_tokens"] if t >= max(total, len(rows))), None)
+        row_bucket = next((r for r in b["batch_rows"] if r >= len(rows)), None)
+        if tokens is None or row_bucket is None or row_bucket > tokens:
+            raise GenerationError(f"a batch of {len(rows)} sequences and {total} tokens exceeds the built batch steps "
+                                  f"(rows {b['batch_rows']}, tokens {b['prefill_tokens']})")
+        ids, pos_of, row_of = (np.zeros(tokens, np.int32) for _ in range(3))
+        slots = np.full(tokens, -1, np.int32)
+        table = np.full((row_bucket, width), -1, np.int32)
+        last = np.zeros(row_bucket, np.int32)
+        at = 0
+        for r, (new, start, pages) in enumerate(rows):
+            positions = np.arange(start, start + len(new))
+            page_ids = np.asarray(pages, np.int32)
+            ids[at:at + len(new)], pos_of[at:at + len(new)], row_of[at:at + len(new)] = new, positions, r
+            slots[at:at + len(new)] = page_ids[positions // block] * block + positions % block
+            table[r, :len(pages)] = page_ids
+            at += len(new)
+            last[r] = at - 1
+        if (ids >= self.config.vocab_size).any() or (ids < 0).any():
+            raise GenerationError(f"token ids are outside the vocabulary (0..{self.config.vocab_size - 1})")
+        inputs = [tvm.runtime.tensor(a, self.device) for a in (ids, pos_of, row_of, slots, table, last)]
+        out = self._functions[f"step_t{tokens}_r{row_bucket}"](*inputs, *arena, self._params)
+        return out.numpy()[:len(rows)]
+
     def _run(self, function: str, ids: list[int], padded: int, cache: KVCache) -> np.ndarray:
         buf = np.zeros(padded, dtype=np.int32)
         buf[:len(ids)] = ids
