@@ -1,9 +1,12 @@
-"""`python -m runtime.generate`: run a prebuilt artifact greedily on a raw prompt.
+"""`python -m runtime.generate`: run a prebuilt artifact greedily on a raw prompt, or on a file of prompts.
 
     python -m runtime.generate MODEL_DIR PROMPT [MAX_NEW_TOKENS=32] [RUNS=1] [--artifact PATH] [--device cpu|cuda]
+    python -m runtime.generate MODEL_DIR --batch FILE [--max-new-tokens 32] [--artifact PATH] [--device cpu|cuda]
 
-The prompt is encoded as is (the tokenizer's own special-token template, no chat template).
-Prints JSON lines: one `load` line, then one `run` line per run.
+Prompts are encoded as is (the tokenizer's own special-token template, no chat template). Prints
+JSON lines: one `load` line, then one `run` line per run; with --batch (one prompt per line, all
+served at once by continuous batching; the artifact needs --batch-rows), one `result` line per
+prompt as it finishes, then a `summary` line.
 """
 
 from __future__ import annotations
@@ -11,12 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from ir.errors import RudaError
 
+from .batching import BatchExecutor
 from .pipeline import load_pipeline
 from .sampling import GreedyGenerationConfig
+from .scheduler import ContinuousBatchConfig
 
 
 def _positive(name: str):
@@ -36,20 +42,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runtime.generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", metavar="MODEL_DIR")
-    parser.add_argument("prompt", metavar="PROMPT")
+    parser.add_argument("prompt", metavar="PROMPT", nargs="?")
     parser.add_argument("max_new_tokens", metavar="MAX_NEW_TOKENS", nargs="?", default=32,
                         type=_positive("MAX_NEW_TOKENS"))
     parser.add_argument("runs", metavar="RUNS", nargs="?", default=1, type=_positive("RUNS"))
     parser.add_argument("--artifact", help="artifact directory (default: where `compiler build MODEL_DIR` writes)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="run the llvm artifact on the CPU (default) or the cuda artifact on the GPU")
+    parser.add_argument("--batch", metavar="FILE", help="serve every line of FILE as a prompt, all at once")
+    parser.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=32,
+                        help="with --batch: new tokens per prompt (default 32)")
     args = parser.parse_args(argv)
+    if (args.prompt is None) == (args.batch is None):
+        parser.error("give either PROMPT or --batch FILE")
     try:
+        prompts = _read_prompts(args.batch) if args.batch else None
         pipeline = load_pipeline(args.model_dir, args.artifact, args.device)
         model = pipeline.model
+        target = model.manifest["target"]
         print(json.dumps({"event": "load", "model": str(Path(args.model_dir)), "model_type": model.config.model_type,
-                          "target": model.manifest["target"]["kind"], "mcpu": model.manifest["target"]["mcpu"],
+                          "target": target["kind"], **{k: target[k] for k in ("mcpu", "arch") if k in target},
                           "artifact": str(model.artifact), "load_seconds": round(model.load_seconds, 3)}), flush=True)
+        if prompts is not None:
+            _serve_batch(pipeline, prompts, args.max_new_tokens)
+            return 0
         config = GreedyGenerationConfig(max_new_tokens=args.max_new_tokens)
         for run in range(args.runs):
             r = pipeline.generate_text(args.prompt, config, add_special_tokens=True, skip_special_tokens=True)
@@ -67,6 +83,40 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _read_prompts(path: str) -> list[str]:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise RudaError(f"--batch {path}: cannot be read ({e})") from None
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise RudaError(f"--batch {path}: holds no prompts (one prompt per line)")
+    return prompts
+
+
+def _serve_batch(pipeline, prompts: list[str], max_new_tokens: int) -> None:
+    """Serve every prompt at once through the batch executor, printing each result as it finishes."""
+    model = pipeline.model
+    buckets = model.manifest["buckets"]
+    executor = BatchExecutor(model, ContinuousBatchConfig(max(buckets.get("batch_rows") or [1]),
+                                                          buckets["prefill_tokens"][-1]),
+                             default_eos_token_ids=pipeline.default_eos_token_ids)
+    config = GreedyGenerationConfig(max_new_tokens=max_new_tokens)
+    index = {executor.submit(pipeline.encode(p), config): i for i, p in enumerate(prompts)}
+    start, generated = time.perf_counter(), 0
+    for done in executor.run():
+        i = index[done.request_id]
+        generated += len(done.generated_token_ids)
+        text = pipeline.decode(done.generated_token_ids, skip_special_tokens=True)
+        print(json.dumps({"event": "result", "index": i, "prompt": prompts[i], "text": prompts[i] + text,
+                          "generated_text": text, "generated_token_ids": done.generated_token_ids,
+                          "prompt_token_ids": done.prompt_token_ids, "finish_reason": done.finish_reason,
+                          "stopped_on_eos": done.finish_reason == "eos"}), flush=True)
+    seconds = time.perf_counter() - start
+    print(json.dumps({"event": "summary", "requests": len(prompts), "generated_tokens": generated,
+                      "seconds": round(seconds, 3), "generated_tokens_per_s": round(generated / seconds, 2)}))
 
 
 if __name__ == "__main__":

@@ -35,9 +35,9 @@ def _run_all(executor, prompts, configs):
     return [out[i] for i in range(len(prompts))]
 
 
-def test_concurrent_requests_equal_solo_runs(model):
-    prompts = _prompts(8, model.config.vocab_size)
-    configs = [GreedyGenerationConfig(int(n), eos_token_ids=[]) for n in np.random.default_rng(1).integers(1, 20, 8)]
+def test_32_concurrent_requests_equal_solo_runs(model):
+    prompts = _prompts(32, model.config.vocab_size)
+    configs = [GreedyGenerationConfig(int(n), eos_token_ids=[]) for n in np.random.default_rng(1).integers(1, 20, 32)]
     executor = BatchExecutor(model, ContinuousBatchConfig(max_active_sequences=8, max_batch_tokens=32))
     for prompt, config, finished in zip(prompts, configs, _run_all(executor, prompts, configs)):
         assert finished.generated_token_ids == generate(model, prompt, config).generated_token_ids
@@ -45,7 +45,7 @@ def test_concurrent_requests_equal_solo_runs(model):
 
 
 def test_preemption_under_a_tiny_page_budget_keeps_every_token(model):
-    prompts = _prompts(6, model.config.vocab_size, seed=2)
+    prompts = _prompts(32, model.config.vocab_size, seed=2)
     configs = [GreedyGenerationConfig(16, eos_token_ids=[]) for _ in prompts]
     executor = BatchExecutor(model, ContinuousBatchConfig(4, 16), PagedKvCacheConfig(8, 12, 64))
     for prompt, config, finished in zip(prompts, configs, _run_all(executor, prompts, configs)):
@@ -86,3 +86,31 @@ def test_configs_that_do_not_fit_the_artifact(model, tiny_factory):
     plain = CompiledModel(*tiny_factory(arch="qwen2"))
     with pytest.raises(GenerationError, match="no batched steps; rebuild with --batch-rows"):
         BatchExecutor(plain, ContinuousBatchConfig(4, 16))
+
+
+def test_generate_cli_serves_a_file_of_prompts(model, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from runtime import load_pipeline
+
+    prompts = ["Hello there", "The quick brown fox", "1 2 3 4 5 6 7 8 9 10 11 12"]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n\n")
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-m", "runtime.generate", str(model.model_dir), "--batch",
+                             str(tmp_path / "prompts.txt"), "--max-new-tokens", "6", "--artifact", str(model.artifact)],
+                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert lines[0]["event"] == "load" and lines[-1]["event"] == "summary" and lines[-1]["requests"] == 3
+    results = sorted((line for line in lines if line["event"] == "result"), key=lambda line: line["index"])
+    pipeline = load_pipeline(model.model_dir, model.artifact)
+    for prompt, line in zip(prompts, results):
+        want = pipeline.generate_text(prompt, GreedyGenerationConfig(6))
+        assert line["generated_token_ids"] == want.generated_token_ids and line["text"] == want.text
+    both = subprocess.run([sys.executable, "-m", "runtime.generate", str(model.model_dir), "Hi", "--batch", "x"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+    assert both.returncode == 2 and "either PROMPT or --batch FILE" in both.stderr
