@@ -6,8 +6,7 @@ from typing import Iterator, Sequence
 
 from .engine import CompiledModel, GenerationError
 from .sampling import GreedyGenerationConfig, TokenPicker, make_picker
-from .scheduler import (ContinuousBatchConfig, ContinuousBatchScheduler, FinishedRequest, PagedKvCacheConfig,
-                        RequestId)
+from .scheduler import ContinuousBatchConfig, ContinuousBatchScheduler, FinishedRequest, PagedKvCacheConfig, RequestId
 
 
 def arena_config(model: CompiledModel) -> PagedKvCacheConfig:

@@ -7,8 +7,16 @@ import pytest
 
 from compiler.build import build
 from models.tiny import write_tiny_checkpoint
-from runtime import (CompiledModel, ContinuousBatchConfig, GenerationError, GreedyGenerationConfig,
-                     PagedKvCacheConfig, SamplingConfig, SamplingGenerationConfig, generate)
+from runtime import (
+    CompiledModel,
+    ContinuousBatchConfig,
+    GenerationError,
+    GreedyGenerationConfig,
+    PagedKvCacheConfig,
+    SamplingConfig,
+    SamplingGenerationConfig,
+    generate,
+)
 from runtime.batching import BatchExecutor
 
 BATCH_BUILD = dict(prefill_buckets=(8, 32), context_buckets=(64,), batch_rows=(1, 4, 8), kv_pages=40, kv_block=8)
