@@ -8,6 +8,7 @@ from importlib import import_module
 
 _EXPORTS = {
     "artifact": ["ArtifactError", "default_artifact_dir"],
+    "batching": ["BatchExecutor"],
     "chat_template": ["ChatMessage", "ChatTemplateError"],
     "engine": ["CompiledModel", "GenerationError", "KVCache"],
     "generation": ["GeneratedTokens", "TokenStream", "generate"],

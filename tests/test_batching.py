@@ -8,6 +8,7 @@ import pytest
 from compiler.build import build
 from models.tiny import write_tiny_checkpoint
 from runtime import (
+    BatchExecutor,
     CompiledModel,
     ContinuousBatchConfig,
     GenerationError,
@@ -17,16 +18,27 @@ from runtime import (
     SamplingGenerationConfig,
     generate,
 )
-from runtime.batching import BatchExecutor
 
 BATCH_BUILD = dict(prefill_buckets=(8, 32), context_buckets=(64,), batch_rows=(1, 4, 8), kv_pages=40, kv_block=8)
 
 
+def _batched_model(root, arch):
+    model_dir = write_tiny_checkpoint(root / "model", arch=arch, dtype="bfloat16", seed=4)
+    return CompiledModel(model_dir, build(model_dir, out=root / "artifact", quiet=True, **BATCH_BUILD).path)
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    root = tmp_path_factory.mktemp("batch")
-    model_dir = write_tiny_checkpoint(root / "model", arch="qwen2", dtype="bfloat16", seed=4)
-    return CompiledModel(model_dir, build(model_dir, out=root / "artifact", quiet=True, **BATCH_BUILD).path)
+    return _batched_model(tmp_path_factory.mktemp("batch"), "qwen2")
+
+
+def test_llama_batches_equal_solo_runs(tmp_path):
+    llama = _batched_model(tmp_path, "llama")
+    prompts = _prompts(12, llama.config.vocab_size, seed=7)
+    configs = [GreedyGenerationConfig(10, eos_token_ids=[]) for _ in prompts]
+    executor = BatchExecutor(llama, ContinuousBatchConfig(8, 32), PagedKvCacheConfig(8, 16, 64))
+    for prompt, config, finished in zip(prompts, configs, _run_all(executor, prompts, configs)):
+        assert finished.generated_token_ids == generate(llama, prompt, config).generated_token_ids
 
 
 def _prompts(n, vocab, seed=0):
