@@ -23,6 +23,7 @@ from compiler.lower import op_signature
 from compiler.target import cpu_target
 from ir import CONTEXT, OPS, TOKENS, infer_types
 from models.checkpoint import check_tensors, scan_checkpoint
+from runtime.cpu import use_all_cores
 from schedules import cpu
 
 CONTEXT_TOKENS = 512
@@ -45,6 +46,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1, help="1: a decode step; more: a prefill chunk")
     parser.add_argument("--work", required=True, help="where the random checkpoint is kept")
     args = parser.parse_args()
+    use_all_cores()
     model_dir = real_shape_checkpoint(args.work, args.shape, args.dtype)
     config = models.load_config(model_dir)
     program = models.build_program(config, check_tensors(scan_checkpoint(model_dir), models.checkpoint_shapes(config),

@@ -133,8 +133,9 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
         "ir_hash": stable_hash(program),
         "target": tgt.describe(),
         "buckets": {"prefill_tokens": list(buckets.prefill_tokens), "context": list(buckets.context),
-                    "batch_rows": list(buckets.batch_rows), "kv_pages": buckets.kv_pages, "kv_block": buckets.kv_block,
-                    "pages_per_row": buckets.pages_per_row},
+                    **({"batch_rows": list(buckets.batch_rows), "kv_pages": buckets.kv_pages,
+                        "kv_block": buckets.kv_block, "pages_per_row": buckets.pages_per_row}
+                       if buckets.batch_rows else {})},
         "tvm_version": tvm.__version__,
         "code_hash": code_hash(),
         "params": [{"name": p.name, "dtype": p.type.dtype, "shape": list(p.type.shape)} for p in program.params.values()],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 # LLVM feature names and the /proc/cpuinfo flags that prove the host has them.
@@ -27,3 +28,12 @@ def missing_host_features(features: list[str]) -> list[str]:
     """Those of the LLVM `features` this machine lacks (none when /proc/cpuinfo cannot be read)."""
     flags = host_cpu_flags()
     return [f for f in features if flags and CHECKED_FEATURES.get(f, f) not in flags]
+
+
+def use_all_cores() -> None:
+    """Let TVM's thread pool use every core this process may run on (unless TVM_NUM_THREADS says otherwise).
+
+    Without it TVM starts half of them, and the kernels, memory-bound at decode, want all.
+    Takes effect before the first parallel kernel runs.
+    """
+    os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,12 +18,11 @@ from models.checkpoint import check_tensors, scan_checkpoint
 from models.config import read_config_json
 
 from .artifact import MODULE, ArtifactError, build_command, config_hash, default_artifact_dir, read_manifest
-from .cpu import missing_host_features
+from .cpu import missing_host_features, use_all_cores
 from .weights import load_tensors
 
 TARGETS = {"cpu": "llvm", "cuda": "cuda"}
-# TVM's thread pool otherwise starts with half the cores it may use; kernels are memory-bound and want all.
-os.environ.setdefault("TVM_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+use_all_cores()
 
 
 class GenerationError(RudaError):

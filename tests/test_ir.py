@@ -11,6 +11,8 @@ import models
 from ir import (
     CONTEXT,
     OPS,
+    PAGES_PER_ROW,
+    ROWS,
     TOKENS,
     Graph,
     GraphBuilder,
@@ -134,7 +136,7 @@ def test_builder_rejects_undefined_and_duplicate_values():
 def test_model_programs_verify(arch):
     p = _program(arch)
     assert verify(p) is p
-    assert set(p.entries) == {"prefill", "decode"}
+    assert set(p.entries) == {"prefill", "decode", "step"}
     cfg = models.parse_config(RAW[arch])
     assert set(p.params) == set(models.checkpoint_shapes(cfg))
     for name, shape in models.checkpoint_shapes(cfg).items():
@@ -149,6 +151,12 @@ def test_model_programs_verify(arch):
     assert "add_rms_norm" in kinds
     assert kinds.count("kv_append") == 2 * cfg.num_hidden_layers
     assert kinds.count("attention") == cfg.num_hidden_layers
+    step = p.entries["step"]
+    assert step.types["block_table"] == _t(ROWS, PAGES_PER_ROW, dtype=I32)
+    assert step.types[step.outputs[0]] == _t(ROWS, cfg.vocab_size)
+    step_kinds = [op.kind for op in step.ops]
+    assert step_kinds.count("paged_kv_append") == 2 * cfg.num_hidden_layers
+    assert step_kinds.count("paged_attention") == cfg.num_hidden_layers
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -403,7 +411,9 @@ def test_printer_shows_params_entries_ops_and_abbreviates_long_attrs():
         assert all(f"%{v}: {entry.types[v]}" in text for v in entry.inputs)
     assert {op.kind for g in p.entries.values() for op in g.ops} <= {"embedding", "rms_norm", "add_rms_norm",
                                                                      "linear", "rope", "kv_append", "attention",
-                                                                     "silu_mul", "add", "take_last"}
+                                                                     "silu_mul", "add", "take_last",
+                                                                     "paged_kv_append", "paged_attention",
+                                                                     "take_rows"}
     for kind in {op.kind for g in p.entries.values() for op in g.ops}:
         assert f"= {kind}(" in text
     inv_freq = p.entries["prefill"].ops[[op.kind for op in p.entries["prefill"].ops].index("rope")].attrs["inv_freq"]
@@ -412,7 +422,7 @@ def test_printer_shows_params_entries_ops_and_abbreviates_long_attrs():
     assert repr(inv_freq[-1]) not in text
     assert "eps=1e-05" in text and "num_heads=4" in text
     assert "@model.embed_tokens.weight" in text and "%ids" in text  # params and values are marked apart
-    assert text.count("return %logits") == 2
+    assert text.count("return %logits") == len(p.entries) == 3
 
 
 def test_printer_keeps_short_lists():
