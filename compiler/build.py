@@ -215,7 +215,8 @@ def _up_to_date(out: Path, manifest: dict) -> bool:
         return False
     informational = ("built_from",)
     same = all(old.get(k) == v for k, v in manifest.items() if k not in informational)
-    return same and set(old) == set(manifest) and (out / MODULE).is_file()
+    files = [MODULE] + ([manifest["ptx_file"]] if "ptx_file" in manifest else [])
+    return same and set(old) == set(manifest) and all((out / f).is_file() for f in files)
 
 
 def _write_atomically(out: Path, manifest: dict, program, export) -> None:
@@ -232,7 +233,12 @@ def _write_atomically(out: Path, manifest: dict, program, export) -> None:
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         if out.exists():
             out.rename(old)
-        tmp.rename(out)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if old.exists():
+                old.rename(out)  # keep the previous artifact rather than none
+            raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)

@@ -40,6 +40,8 @@ def fuse_add_rms_norm(graph: Graph) -> Graph:
         if op.kind != "rms_norm" or op.inputs[0] not in producer:
             continue
         j = producer[op.inputs[0]]
+        if j in fused_adds:
+            continue  # the sum already comes out of an earlier fused op
         add = graph.ops[j]
         if any(add.outputs[0] in between.inputs for between in graph.ops[j + 1:i]):
             continue  # s is read before y: fusing would move its definition past a use

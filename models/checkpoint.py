@@ -48,13 +48,15 @@ def _read_header(path: Path) -> dict[str, TensorEntry]:
             header = json.loads(f.read(n))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise CheckpointError(f"{path}: safetensors header is not valid JSON; the file is corrupt, re-download it") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object; the file is corrupt, re-download it")
     size = path.stat().st_size
     entries = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
-            begin, end = info["data_offsets"]
+            begin, end = (int(x) for x in info["data_offsets"])
             dtype, shape = info["dtype"], tuple(int(d) for d in info["shape"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: header entry for {name!r} is malformed; the file is corrupt") from None

@@ -128,7 +128,7 @@ def checkpoint_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
 
 
 def build_decoder_program(c: DecoderConfig, param_dtypes: Mapping[str, str] | None = None) -> Program:
-    """Prefill and decode graphs of the decoder; params in `param_dtypes` (default: the config's dtype)."""
+    """Prefill, decode and batched-step graphs of the decoder; params in `param_dtypes` (default: the config's dtype)."""
     dtypes = param_dtypes or {}
     params = {n: Param(n, TensorType(s, dtypes.get(n, c.dtype))) for n, s in checkpoint_shapes(c).items()}
     entries = {name: _entry(c, params, name, tokens) for name, tokens in (("prefill", TOKENS), ("decode", 1))}

@@ -11,7 +11,7 @@ from .scheduler import ContinuousBatchConfig, ContinuousBatchScheduler, Finished
 
 def arena_config(model: CompiledModel) -> PagedKvCacheConfig:
     """The paged KV layout the artifact was built for (all its pages, the longest sequence it holds)."""
-    b = model.manifest["buckets"]
+    b = model.batch_layout()
     return PagedKvCacheConfig(b["kv_block"], b["kv_pages"], b["pages_per_row"] * b["kv_block"])
 
 
@@ -25,8 +25,8 @@ class BatchExecutor:
     def __init__(self, model: CompiledModel, batch_config: ContinuousBatchConfig,
                  kv_config: PagedKvCacheConfig | None = None, default_eos_token_ids: Sequence[int] = ()):
         self.model = model
-        self.arena = model.new_arena()
-        built, b = arena_config(model), model.manifest["buckets"]
+        b = model.batch_layout()
+        built = arena_config(model)
         kv_config = kv_config or built
         if kv_config.block_size != built.block_size or kv_config.num_pages > built.num_pages \
                 or kv_config.max_sequence_length > built.max_sequence_length:
@@ -37,6 +37,7 @@ class BatchExecutor:
                                   f"tokens up to {b['prefill_tokens'][-1]}); rebuild with larger --batch-rows / "
                                   "--prefill-buckets")
         self.scheduler = ContinuousBatchScheduler(batch_config, kv_config, default_eos_token_ids)
+        self.arena = model.new_arena()
         self._requests: dict[RequestId, tuple[list[int], TokenPicker]] = {}
 
     def submit(self, prompt_token_ids: Sequence[int], generation: GreedyGenerationConfig) -> RequestId:

@@ -85,6 +85,12 @@ class CompiledModel:
                                 f"rebuild: {rebuild}")
         if m["target"]["kind"] != self.target:
             raise ArtifactError(f"{self.artifact} targets {m['target']['kind']}, not {self.target}; rebuild: {rebuild}")
+        if self.target == "cuda":
+            arch = int(m["target"]["arch"].removeprefix("sm_"))
+            here = int(self.device.compute_version.replace(".", ""))
+            if arch > here:
+                raise ArtifactError(f"{self.artifact} holds PTX for {m['target']['arch']}, which this GPU (sm_{here}) "
+                                    f"cannot run; rebuild: {rebuild} --arch sm_{here}")
         missing = missing_host_features(m["target"].get("features", []))
         if missing:
             raise ArtifactError(f"{self.artifact} was compiled for CPU {m['target']['mcpu']!r}, which uses {missing} "
@@ -130,12 +136,17 @@ class CompiledModel:
             done += len(part)
         return logits
 
-    def new_arena(self) -> list[tvm.runtime.Tensor]:
-        """The paged KV arena of batched execution: keys and values of every layer, all pages."""
+    def batch_layout(self) -> dict:
+        """The artifact's batched-step buckets and KV arena layout, or an error saying how to build them."""
         b = self.manifest["buckets"]
         if not b.get("batch_rows"):
             raise GenerationError(f"{self.artifact} has no batched steps; rebuild with --batch-rows (e.g. "
                                   f"{build_command(self.model_dir, self.target)} --batch-rows 1,4,16)")
+        return b
+
+    def new_arena(self) -> list[tvm.runtime.Tensor]:
+        """The paged KV arena of batched execution: keys and values of every layer, all pages."""
+        b = self.batch_layout()
         shape = (b["kv_pages"], b["kv_block"], self.manifest["kv_width"])
         return [tvm.runtime.empty(shape, "float32", self.device) for _ in range(2 * self.manifest["num_layers"])]
 
@@ -151,9 +162,9 @@ class CompiledModel:
         b = self.manifest["buckets"]
         block, width = b["kv_block"], b["pages_per_row"]
         total = sum(len(ids) for ids, _, _ in rows)
-        tokens = next((t for t in b["prefill_tokens"] if t >= max(total, len(rows))), None)
         row_bucket = next((r for r in b["batch_rows"] if r >= len(rows)), None)
-        if tokens is None or row_bucket is None or row_bucket > tokens:
+        tokens = next((t for t in b["prefill_tokens"] if t >= max(total, row_bucket or 0)), None)
+        if tokens is None or row_bucket is None:
             raise GenerationError(f"a batch of {len(rows)} sequences and {total} tokens exceeds the built batch steps "
                                   f"(rows {b['batch_rows']}, tokens {b['prefill_tokens']})")
         ids, pos_of, row_of = (np.zeros(tokens, np.int32) for _ in range(3))

@@ -43,12 +43,14 @@ class TokenStream:
 
     def __iter__(self) -> Iterator[int]:
         pick = make_picker(self.config)
+        history = list(self.prompt_ids)  # what repetition penalties look at: prompt and reply so far
         start = time.perf_counter()
         logits = self.model.forward(self.prompt_ids, self.cache)
-        token = pick(logits, self.prompt_ids)
+        token = pick(logits, history)
         self.prefill_seconds = time.perf_counter() - start
         while True:
             self.generated.append(token)
+            history.append(token)
             if token in self.eos:
                 self.finish_reason = "eos"
             elif len(self.generated) >= self.config.max_new_tokens:
@@ -58,12 +60,13 @@ class TokenStream:
                 return
             start = time.perf_counter()
             logits = self.model.forward([token], self.cache)
-            token = pick(logits, self.prompt_ids + self.generated)
+            token = pick(logits, history)
             self.decode_seconds += time.perf_counter() - start
 
     def stop(self, reason: str) -> None:
-        """End the stream early (e.g. a stop string appeared) for `reason`."""
-        self.finish_reason = reason
+        """End the stream early (e.g. a stop string appeared) for `reason`, unless it already ended."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
 
     def result(self) -> GeneratedTokens:
         """What was generated so far."""

@@ -108,3 +108,12 @@ def test_build_refuses_broken_checkpoint_and_leaves_nothing(tmp_path, sharded):
         build(sharded, out=out, quiet=True)
     assert not out.exists()
     assert not list(tmp_path.glob(".artifact*"))
+
+
+def test_header_that_is_not_an_object(tmp_path):
+    import struct
+    model_dir = write_tiny_checkpoint(tmp_path / "m")
+    header = b"[1, 2, 3]"
+    (model_dir / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(CheckpointError, match="header is not a JSON object"):
+        _check(model_dir)
