@@ -16,8 +16,6 @@ from tqdm import tqdm
 import models
 from ir import format_program, stable_hash, to_json
 from ir.errors import RudaError
-from models.checkpoint import check_tensors, scan_checkpoint
-from models.config import read_config_json
 from runtime.artifact import FORMAT, MANIFEST, MODULE, config_hash, default_artifact_dir
 from schedules import cpu, gpu
 
@@ -118,10 +116,7 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
     """Compile a model directory into an artifact directory (reusing it when nothing changed)."""
     start = time.perf_counter()
     tgt = make_target(target, mcpu=mcpu, arch=arch, cuda_compiler=cuda_compiler, ptx_version=ptx_version)
-    raw, config_path = read_config_json(model_dir)
-    config = models.parse_config(raw, str(config_path))
-    dtypes = check_tensors(scan_checkpoint(model_dir), models.checkpoint_shapes(config), model_dir)
-    program = models.build_program(config, dtypes)
+    raw, config, _, program = models.load_checkpoint_program(model_dir)
     buckets = resolve_buckets(prefill_buckets, context_buckets, config.max_position_embeddings, batch_rows, kv_pages,
                               kv_block)
     out = Path(out) if out is not None else default_artifact_dir(model_dir, target)

@@ -8,6 +8,7 @@ from typing import Mapping
 from ir import Program
 
 from . import llama, qwen2
+from .checkpoint import TensorEntry, check_tensors, scan_checkpoint
 from .config import ConfigReader, ModelConfigError, read_config_json
 from .decoder import DecoderConfig, build_decoder_program, checkpoint_shapes
 
@@ -39,11 +40,23 @@ def build_program(config: DecoderConfig, param_dtypes: Mapping[str, str] | None 
     return build_decoder_program(config, param_dtypes)
 
 
+def load_checkpoint_program(model_dir: str | Path) -> tuple[dict, DecoderConfig, dict[str, TensorEntry], Program]:
+    """(raw config.json, validated config, the checkpoint's tensors, the IR program for their dtypes).
+
+    Every tensor the config implies is checked for presence, shape and dtype.
+    """
+    raw, path = read_config_json(model_dir)
+    config = parse_config(raw, str(path))
+    tensors = scan_checkpoint(model_dir)
+    program = build_program(config, check_tensors(tensors, checkpoint_shapes(config), model_dir))
+    return raw, config, tensors, program
+
+
 def checkpoint_tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
     """Checkpoint tensor names and shapes for a raw config.json dict."""
     return checkpoint_shapes(parse_config(raw_config))
 
 
 __all__ = ["ARCHITECTURES", "DecoderConfig", "ModelConfigError", "build_program", "checkpoint_shapes",
-           "checkpoint_tensor_shapes",
+           "checkpoint_tensor_shapes", "load_checkpoint_program",
            "load_config", "parse_config"]

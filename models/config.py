@@ -74,6 +74,16 @@ class ConfigReader:
             raise self.error(field, f"must be true or false, got {value!r}")
         return value
 
+    def token_ids(self, field: str, default: Any = _REQUIRED) -> list[int] | Any:
+        """A token id or list of token ids, as a list."""
+        value = self.get(field, default)
+        if value is default and default is not _REQUIRED:
+            return value
+        ids = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise self.error(field, f"must be a token id (a non-negative integer) or a list of them, got {value!r}")
+        return ids
+
     def choice(self, field: str, allowed: tuple, default: Any = _REQUIRED) -> Any:
         """A field whose value must be one of `allowed`."""
         value = self.get(field, default)

@@ -78,10 +78,7 @@ def read_decoder_config(cfg: ConfigReader, model_type: str, *, qkv_bias: bool, t
     dtype = cfg.get(dtype_field, "float32")
     if dtype not in PARAM_DTYPES:
         raise cfg.error(dtype_field, f"is {dtype!r}; supported: {', '.join(PARAM_DTYPES)}")
-    eos = cfg.get("eos_token_id", [])
-    eos = [eos] if isinstance(eos, int) else eos
-    if not isinstance(eos, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
-        raise cfg.error("eos_token_id", f"must be an integer or a list of integers, got {eos!r}")
+    eos = cfg.token_ids("eos_token_id", [])
     bos = cfg.get("bos_token_id", None)
     if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int)):
         raise cfg.error("bos_token_id", f"must be an integer, got {bos!r}")

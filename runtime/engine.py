@@ -14,8 +14,6 @@ from tvm.runtime.vm import VirtualMachine
 import models
 from ir import stable_hash
 from ir.errors import RudaError
-from models.checkpoint import check_tensors, scan_checkpoint
-from models.config import read_config_json
 
 from .artifact import MODULE, ArtifactError, build_command, config_hash, default_artifact_dir, read_manifest
 from .cpu import missing_host_features, use_all_cores
@@ -60,13 +58,10 @@ class CompiledModel:
             raise GenerationError("--device cuda: no CUDA GPU is visible on this machine; run on a machine with an "
                                   "NVIDIA GPU and driver, or use --device cpu")
         self.model_dir = Path(model_dir)
-        raw, config_path = read_config_json(model_dir)
-        self.config = models.parse_config(raw, str(config_path))
+        raw, self.config, entries, program = models.load_checkpoint_program(model_dir)
         self.artifact = Path(artifact) if artifact is not None else default_artifact_dir(model_dir, self.target)
         self.manifest = read_manifest(self.artifact, model_dir, self.target)
-        entries = scan_checkpoint(model_dir)
-        dtypes = check_tensors(entries, models.checkpoint_shapes(self.config), model_dir)
-        self._check_manifest(raw, stable_hash(models.build_program(self.config, dtypes)))
+        self._check_manifest(raw, stable_hash(program))
         self._vm = VirtualMachine(tvm.runtime.load_module(str(self.artifact / MODULE)), self.device)
         self._functions = {name: self._vm[name] for name in self.manifest["functions"]}
         names = [p["name"] for p in self.manifest["params"]]

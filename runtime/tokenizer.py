@@ -8,6 +8,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 
 from ir.errors import RudaError
+from models.config import ConfigReader
 
 
 class TokenizerError(RudaError):
@@ -46,12 +47,9 @@ def default_eos_token_ids(model_dir: str | Path, config_eos: tuple[int, ...]) ->
     if not path.is_file():
         return list(config_eos)
     try:
-        eos = json.loads(path.read_text()).get("eos_token_id")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        raise TokenizerError(f"{path}: not a valid JSON object; fix or delete it") from None
-    if eos is None:
-        return list(config_eos)
-    eos = [eos] if isinstance(eos, int) else eos
-    if not isinstance(eos, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
-        raise TokenizerError(f"{path}: field 'eos_token_id' must be an integer or a list of integers, got {eos!r}")
-    return eos
+        generation = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        generation = None
+    if not isinstance(generation, dict):
+        raise TokenizerError(f"{path}: not a valid JSON object; fix or delete it")
+    return ConfigReader(generation, str(path)).token_ids("eos_token_id", list(config_eos))

@@ -242,3 +242,32 @@ def test_chat_cli_rejects_bad_sampling_values(tiny_factory):
     proc = _chat_process(model_dir, artifact, "--temperature", "0")
     out, err = proc.communicate("", timeout=120)
     assert proc.returncode == 1 and "temperature must be finite and > 0" in err
+
+
+@pytest.mark.parametrize("content,match", [
+    ("{not json", "not a valid JSON object"),
+    ("[1, 2]", "not a valid JSON object"),
+    ('{"eos_token_id": "two"}', "field 'eos_token_id' must be a token id \\(a non-negative integer\\) or a list of them"),
+    ('{"eos_token_id": [1, -2]}', "field 'eos_token_id' must be a token id \\(a non-negative integer\\) or a list of them"),
+])
+def test_bad_generation_config(tmp_path, content, match):
+    from ir.errors import RudaError
+    from runtime import default_eos_token_ids
+    (tmp_path / "generation_config.json").write_text(content)
+    with pytest.raises(RudaError, match=match):
+        default_eos_token_ids(tmp_path, (1,))
+
+
+def test_generation_config_without_eos_falls_back_to_config(tmp_path):
+    from runtime import default_eos_token_ids
+    (tmp_path / "generation_config.json").write_text('{"bos_token_id": 3}')
+    assert default_eos_token_ids(tmp_path, (7, 8)) == [7, 8]
+
+
+def test_missing_or_broken_tokenizer(tmp_path):
+    from runtime import Tokenizer, TokenizerError
+    with pytest.raises(TokenizerError, match="tokenizer.json: missing"):
+        Tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(TokenizerError, match="cannot be loaded"):
+        Tokenizer(tmp_path)
