@@ -195,11 +195,11 @@ def _export(executable, tgt: CpuTarget | CudaTarget, directory: Path) -> None:
     if isinstance(tgt, CpuTarget):
         executable.export_library(str(directory / MODULE))
         return
-    texts = set(export_with_ptx(executable, directory / MODULE, tgt).values())
-    if len(texts) != 1:
-        raise CudaBuildError(f"expected one PTX device module, got {len(texts)}")
+    modules = export_with_ptx(executable, directory / MODULE, tgt)
+    if len(modules) != 1:
+        raise CudaBuildError(f"expected one PTX device module, got {len(modules)}")
     ptx_path = directory / PTX_FILE
-    ptx_path.write_text(texts.pop())
+    ptx_path.write_text(modules[0])
     check_with_ptxas(ptx_path, tgt.arch)
 
 

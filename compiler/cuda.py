@@ -118,8 +118,12 @@ def compile_source(source: str, target: CudaTarget) -> str:
 
 def finish_ptx(ptx: str, kernels: list[str], version: str | None) -> str:
     """Kernels declared as entries, and the requested PTX ISA version."""
-    for name in kernels:
-        ptx = re.sub(rf"^(\.visible\s+)\.func(\s+{re.escape(name)}\()", r"\1.entry\2", ptx, flags=re.MULTILINE)
+    names = set(kernels)
+
+    def declare(m: re.Match) -> str:
+        return f"{m.group(1)}.entry{m.group(2)}" if m.group(3) in names else m.group(0)
+
+    ptx = re.sub(r"^(\.visible\s+)\.func(\s+(\w+)\()", declare, ptx, flags=re.MULTILINE)
     if version is not None:
         ptx, count = re.subn(r"^\.version\s+\d+\.\d+", f".version {version}", ptx, count=1, flags=re.MULTILINE)
         if count != 1:
@@ -212,9 +216,9 @@ def check_with_ptxas(ptx_file: Path, arch: str) -> bool:
     return True
 
 
-def export_with_ptx(executable, path: Path, target: CudaTarget) -> dict[str, str]:
-    """Export the library with PTX device code; returns kernel name -> the PTX module text holding it."""
-    ptx_of: dict[str, str] = {}
+def export_with_ptx(executable, path: Path, target: CudaTarget) -> list[str]:
+    """Export the library with PTX device code; returns the PTX of each device module."""
+    modules: list[str] = []
 
     def to_ptx(fmt: str, code: str, names: list[str]) -> str:
         if fmt == "cuda":
@@ -222,8 +226,7 @@ def export_with_ptx(executable, path: Path, target: CudaTarget) -> dict[str, str
         elif fmt != "ptx":
             raise CudaBuildError(f"device module has format {fmt!r}; expected CUDA C++ or PTX")
         ptx = finish_ptx(code, names, target.ptx_version)
-        for name in names:
-            ptx_of[name] = ptx
+        modules.append(ptx)
         return ptx
 
     def pack(module, is_system_lib, prefix, workspace_dir):
@@ -233,4 +236,4 @@ def export_with_ptx(executable, path: Path, target: CudaTarget) -> dict[str, str
         return c_path
 
     executable.mod.export_library(str(path), fpack_imports=pack)
-    return ptx_of
+    return modules

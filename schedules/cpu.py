@@ -7,11 +7,7 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 
-
-def _extent(sch: s_tir.Schedule, loop) -> int | None:
-    """Static trip count of a loop, or None when symbolic."""
-    ext = sch.get(loop).extent
-    return int(ext) if isinstance(ext, tirx.IntImm) else None
+from .loops import static_extent
 
 
 def _is_reduction(sch: s_tir.Schedule, block) -> bool:
@@ -21,7 +17,7 @@ def _is_reduction(sch: s_tir.Schedule, block) -> bool:
 def _spatial(sch: s_tir.Schedule, block, lanes: int) -> None:
     """Fuse all loops, run chunks of them on the cores, vectorise the innermost `lanes`."""
     fused = sch.fuse(*sch.get_loops(block))
-    ext = _extent(sch, fused)
+    ext = static_extent(sch, fused)
     if ext is not None and ext % lanes == 0 and ext > lanes:
         outer, inner = sch.split(fused, [None, lanes])
         sch.parallel(outer)
@@ -53,7 +49,7 @@ def _linear(sch: s_tir.Schedule, lanes: int) -> None:
     one loaded weight vector every row."""
     block = sch.get_sblock("matmul")
     i, j, k = sch.get_loops(block)
-    rows, cols, depth = _extent(sch, i), _extent(sch, j), _extent(sch, k)
+    rows, cols, depth = static_extent(sch, i), static_extent(sch, j), static_extent(sch, k)
     if depth % lanes:
         _generic(sch, lanes)
         return
@@ -80,7 +76,7 @@ def _norm(sch: s_tir.Schedule, lanes: int) -> None:
     """RMSNorm (with or without a fused residual add): one row per task, vectorised over features."""
     block = sch.get_sblock("rms_norm")
     row, col = sch.get_loops(block)
-    if (_extent(sch, col) or 1) % lanes == 0:
+    if (static_extent(sch, col) or 1) % lanes == 0:
         sch.vectorize(sch.split(col, [None, lanes])[1])
     sch.parallel(row)
     for producer in ("rms_norm_sumsq", "residual_add"):
@@ -95,7 +91,7 @@ def _attention(sch: s_tir.Schedule, lanes: int) -> None:
     sch.compute_inline(sch.get_sblock("masked"))
     out = sch.get_sblock("attention")
     row, col = sch.get_loops(out)
-    head_dim = _extent(sch, col) // _extent(sch, sch.get_loops(sch.get_sblock("row_max"))[0])
+    head_dim = static_extent(sch, col) // static_extent(sch, sch.get_loops(sch.get_sblock("row_max"))[0])
     head, lane = sch.split(col, [None, head_dim])
     sch.reorder(head, row, lane)
     sch.parallel(head)

@@ -11,16 +11,13 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 
+from .loops import static_extent
+
 THREADS = 256
 WARP = 32
 # Decode GEMV: split each dot product over up to MAX_SPLIT threads until about TARGET_THREADS run.
 TARGET_THREADS = 64 * 1024
 MAX_SPLIT = 256
-
-
-def _extent(sch: s_tir.Schedule, loop) -> int | None:
-    ext = sch.get(loop).extent
-    return int(ext) if isinstance(ext, tirx.IntImm) else None
 
 
 def _bind_spatial(sch: s_tir.Schedule, loops: list) -> None:
@@ -62,7 +59,7 @@ def _linear(sch: s_tir.Schedule) -> None:
     """
     block = sch.get_sblock("matmul")
     i, j, k = sch.get_loops(block)
-    rows, cols, depth = _extent(sch, i), _extent(sch, j), _extent(sch, k)
+    rows, cols, depth = static_extent(sch, i), static_extent(sch, j), static_extent(sch, k)
     split = _split_count(depth, cols) if rows == 1 else 1
     if split > 1:
         _, lane = sch.split(k, [None, split])  # k = step * split + lane: lanes read adjacent elements
