@@ -134,6 +134,9 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
         "tvm_version": tvm.__version__,
         "code_hash": code_hash(),
         "params": [{"name": p.name, "dtype": p.type.dtype, "shape": list(p.type.shape)} for p in program.params.values()],
+        "cache": [{"name": name, "shape": list(program.entries["decode"].types[name].shape),
+                   "dtype": program.entries["decode"].types[name].dtype}
+                  for name in program.entries["decode"].inputs[3:]],
         "num_layers": config.num_hidden_layers,
         "kv_width": config.num_key_value_heads * config.head_dim,
         "vocab_size": config.vocab_size,

@@ -7,6 +7,7 @@ tensors the op needs (`Kernel.constants`), then writes fresh outputs; in-place o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,22 +45,26 @@ def embedding(types, attrs) -> Kernel:
     return Kernel(te.create_prim_func([table, ids, y]))
 
 
-def _normalize(x, w, eps, name):
+def _normalize(x, w, attrs, name):
+    """RMSNorm of each group of features (the whole row by default), scaled by weight + weight_offset."""
     rows, hidden = x.shape[0], int(x.shape[1])
-    k = te.reduce_axis((0, hidden), "k")
-    ss = te.compute((rows,), lambda i: te.sum(x[i, k] * x[i, k], axis=k), name=f"{name}_sumsq")
-    return te.compute((rows, hidden), lambda i, h: x[i, h] * te.rsqrt(ss[i] / float(hidden) + eps) * _f32(w[h]), name=name)
+    group, offset = attrs.get("group", hidden), attrs.get("weight_offset", 0.0)
+    k = te.reduce_axis((0, group), "k")
+    ss = te.compute((rows, hidden // group), lambda i, g: te.sum(x[i, g * group + k] * x[i, g * group + k], axis=k),
+                    name=f"{name}_sumsq")
+    return te.compute((rows, hidden), lambda i, h: x[i, h] * te.rsqrt(ss[i, h // group] / float(group) + attrs["eps"])
+                      * (_f32(w[h % group]) + offset), name=name)
 
 
 def rms_norm(types, attrs) -> Kernel:
     x, w = _placeholders(types, ["x", "weight"])
-    return Kernel(te.create_prim_func([x, w, _normalize(x, w, attrs["eps"], "rms_norm")]))
+    return Kernel(te.create_prim_func([x, w, _normalize(x, w, attrs, "rms_norm")]))
 
 
 def add_rms_norm(types, attrs) -> Kernel:
     x, r, w = _placeholders(types, ["x", "residual", "weight"])
     s = te.compute(x.shape, lambda i, h: x[i, h] + r[i, h], name="residual_add")
-    return Kernel(te.create_prim_func([x, r, w, s, _normalize(s, w, attrs["eps"], "rms_norm")]))
+    return Kernel(te.create_prim_func([x, r, w, s, _normalize(s, w, attrs, "rms_norm")]))
 
 
 def linear(types, attrs) -> Kernel:
@@ -191,10 +196,233 @@ def take_last(types, attrs) -> Kernel:
     return Kernel(te.create_prim_func([x, n, te.compute((1, x.shape[1]), lambda _, c: x[n - 1, c], name="take_last")]))
 
 
+def slice_cols(types, attrs) -> Kernel:
+    (x,) = _placeholders(types, ["x"])
+    period, offset, width = attrs["period"], attrs["offset"], attrs["width"]
+    y = te.compute((x.shape[0], x.shape[1] // period * width),
+                   lambda i, c: x[i, c // width * period + offset + c % width], name="slice_cols")
+    return Kernel(te.create_prim_func([x, y]))
+
+
+def sigmoid_mul(types, attrs) -> Kernel:
+    g, x = _placeholders(types, ["gate", "x"])
+    y = te.compute(g.shape, lambda i, c: te.sigmoid(g[i, c]) * x[i, c], name="sigmoid_mul")
+    return Kernel(te.create_prim_func([g, x, y]))
+
+
+def causal_conv1d(types, attrs) -> Kernel:
+    """Depthwise causal convolution over [state rows; new rows] then SiLU; the state keeps the last rows.
+
+    Rows at or after `n` are padding: they neither enter the state nor matter in the output.
+    """
+    rows, channels = types[0].shape
+    keep, wdtype = types[1].shape[0], types[2].dtype
+
+    @T.prim_func(s_tir=True)
+    def func(x: T.Buffer((rows, channels), "float32"), state: T.Buffer((keep, channels), "float32"),
+             w: T.Buffer((channels, 1, keep + 1), wdtype), n: T.int32, y: T.Buffer((rows, channels), "float32")):
+        old = T.alloc_buffer((keep, channels), "float32")
+        conv = T.alloc_buffer((rows, channels), "float32")
+        for r, c in T.grid(keep, channels):
+            with T.sblock("conv_state_in"):
+                vr, vc = T.axis.remap("SS", [r, c])
+                old[vr, vc] = state[vr, vc]
+        for t, c, k in T.grid(rows, channels, keep + 1):
+            with T.sblock("conv"):
+                vt, vc, vk = T.axis.remap("SSR", [t, c, k])
+                with T.init():
+                    conv[vt, vc] = T.float32(0)
+                conv[vt, vc] = conv[vt, vc] + T.Cast("float32", w[vc, 0, vk]) * T.if_then_else(
+                    vt + vk < keep, old[T.min(vt + vk, keep - 1), vc], x[T.max(vt + vk - keep, 0), vc])
+        for t, c in T.grid(rows, channels):
+            with T.sblock("conv_silu"):
+                vt, vc = T.axis.remap("SS", [t, c])
+                y[vt, vc] = conv[vt, vc] * T.sigmoid(conv[vt, vc])
+        for r, c in T.grid(keep, channels):
+            with T.sblock("conv_state"):
+                vr, vc = T.axis.remap("SS", [r, c])
+                state[vr, vc] = T.if_then_else(n + vr < keep, old[T.min(n + vr, keep - 1), vc],
+                                               x[T.max(n + vr - keep, 0), vc])
+
+    return Kernel(func)
+
+
+L2_EPS = 1e-6  # the epsilon of the q/k L2 normalisation in Qwen3.5's gated delta rule
+
+
+def delta_inputs(types, attrs) -> Kernel:
+    """The gated delta rule's per-token inputs: L2-normalised q (times k_dim^-1/2) and k, and the gates
+    g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b), both 0 on padding rows (>= n)."""
+    qkv, a, b, a_log, dt_bias, n = _placeholders(types, ["qkv", "a", "b", "a_log", "dt_bias", "n"])
+    hk, dk = attrs["num_k_heads"], attrs["k_dim"]
+    d = te.reduce_axis((0, dk), "d")
+    sumsq = te.compute((qkv.shape[0], 2 * hk), lambda t, s: te.sum(qkv[t, s * dk + d] * qkv[t, s * dk + d], axis=d),
+                       name="qk_sumsq")
+    qk = te.compute((qkv.shape[0], 2 * hk * dk), lambda t, c: qkv[t, c] * te.rsqrt(sumsq[t, c // dk] + L2_EPS)
+                    * tirx.if_then_else(c < hk * dk, dk ** -0.5, 1.0), name="qk_normed")
+
+    def gate(t, h, e):
+        x = a[t, h] + _f32(dt_bias[h])
+        y = te.exp(x)  # softplus = log1p(exp(x)) (as series for tiny y: NVPTX has no log1p), x above torch's threshold 20
+        softplus = tirx.if_then_else(x > 20.0, x, tirx.if_then_else(y < 1e-4, y * (1.0 - 0.5 * y), te.log(1.0 + y)))
+        value = tirx.if_then_else(e == 0, -te.exp(_f32(a_log[h])) * softplus, te.sigmoid(b[t, h]))
+        return tirx.if_then_else(t < n, value, 0.0)
+
+    gates = te.compute((qkv.shape[0], a.shape[1], 2), gate, name="delta_gates")
+    return Kernel(te.create_prim_func([qkv, a, b, a_log, dt_bias, n, qk, gates]))
+
+
+def gated_delta_rule(types, attrs) -> Kernel:
+    """Qwen3.5's gated delta rule over the new tokens, carrying the [v heads, k_dim, v_dim] state.
+
+    Per token t and value head h (reading k head h // (v heads / k heads)), with q, k, g, beta from
+    `delta_inputs`: S = S * exp(g); S += k (beta (v - S^T k))^T; out = S^T q. `chunk` 0 runs that
+    recurrence token by token; `chunk` C > 0 the equivalent chunked form over chunks of
+    gcd(C, tokens) tokens: an in-chunk triangular solve, then one state update per chunk. Each
+    (head, value column) is independent, so that is the parallel axis of both forms.
+    """
+    rows = types[0].shape[0]
+    hk, hv, dk, dv = (attrs[k] for k in ("num_k_heads", "num_v_heads", "k_dim", "v_dim"))
+    if attrs["chunk"] == 0:
+        return Kernel(_delta_recurrent(rows, hk, hv, dk, dv, types[1].shape[1]))
+    return Kernel(_delta_chunked(rows, hk, hv, dk, dv, types[1].shape[1], math.gcd(rows, attrs["chunk"])))
+
+
+def _delta_recurrent(rows, hk, hv, dk, dv, width):
+    ratio, key, value = hv // hk, hk * dk, 2 * hk * dk
+
+    @T.prim_func(s_tir=True)
+    def func(qk: T.Buffer((rows, 2 * hk * dk), "float32"), qkv: T.Buffer((rows, width), "float32"),
+             gates: T.Buffer((rows, hv, 2), "float32"), state: T.Buffer((hv, dk, dv), "float32"),
+             out: T.Buffer((rows, hv * dv), "float32")):
+        old = T.alloc_buffer((hv, dk, dv), "float32")
+        for h, i, j in T.grid(hv, dk, dv):
+            with T.sblock("delta_state_in"):
+                vh, vi, vj = T.axis.remap("SSS", [h, i, j])
+                old[vh, vi, vj] = state[vh, vi, vj]
+        for h, j in T.grid(hv, dv):
+            with T.sblock("delta_scan"):  # one state column: S[:, j] of head h
+                vh, vj = T.axis.remap("SS", [h, j])
+                T.reads(old[vh, 0:dk, vj], qk[0:rows, 0:2 * hk * dk], qkv[0:rows, value + vh * dv + vj],
+                        gates[0:rows, vh, 0:2])
+                T.writes(state[vh, 0:dk, vj], out[0:rows, vh * dv + vj])
+                col = T.alloc_buffer((dk,), "float32", scope="local")
+                acc = T.alloc_buffer((1,), "float32", scope="local")
+                for i in range(dk):
+                    col[i] = old[vh, i, vj]
+                for t in range(rows):
+                    acc[0] = T.float32(0)
+                    for i in range(dk):
+                        col[i] = col[i] * T.exp(gates[t, vh, 0])
+                        acc[0] = acc[0] + col[i] * qk[t, key + vh // ratio * dk + i]
+                    acc[0] = (qkv[t, value + vh * dv + vj] - acc[0]) * gates[t, vh, 1]
+                    out[t, vh * dv + vj] = T.float32(0)
+                    for i in range(dk):
+                        col[i] = col[i] + qk[t, key + vh // ratio * dk + i] * acc[0]
+                        out[t, vh * dv + vj] = out[t, vh * dv + vj] + col[i] * qk[t, vh // ratio * dk + i]
+                for i in range(dk):
+                    state[vh, i, vj] = col[i]
+
+    return func
+
+
+def _delta_chunked(rows, hk, hv, dk, dv, width, chunk):
+    ratio, key, value = hv // hk, hk * dk, 2 * hk * dk
+
+    @T.prim_func(s_tir=True)
+    def func(qk: T.Buffer((rows, 2 * hk * dk), "float32"), qkv: T.Buffer((rows, width), "float32"),
+             gates: T.Buffer((rows, hv, 2), "float32"), state: T.Buffer((hv, dk, dv), "float32"),
+             out: T.Buffer((rows, hv * dv), "float32")):
+        old = T.alloc_buffer((hv, dk, dv), "float32")
+        decay = T.alloc_buffer((hv, rows), "float32")  # log decay from the chunk's start, inclusive
+        kk = T.alloc_buffer((hk, rows, chunk), "float32")  # k_t . k_s, s in t's chunk
+        qk_dot = T.alloc_buffer((hk, rows, chunk), "float32")  # q_t . k_s, s in t's chunk
+        w = T.alloc_buffer((hv, rows, dk), "float32")  # (I + A)^-1 (beta k exp(decay)), per chunk
+        u = T.alloc_buffer((hv, rows, dv), "float32")  # (I + A)^-1 (beta v), per chunk
+        for h, i, j in T.grid(hv, dk, dv):
+            with T.sblock("delta_state_in"):
+                vh, vi, vj = T.axis.remap("SSS", [h, i, j])
+                old[vh, vi, vj] = state[vh, vi, vj]
+        for h, t, s in T.grid(hv, rows, chunk):
+            with T.sblock("delta_decay"):
+                vh, vt, vs = T.axis.remap("SSR", [h, t, s])
+                with T.init():
+                    decay[vh, vt] = T.float32(0)
+                decay[vh, vt] = decay[vh, vt] + T.if_then_else(
+                    vs <= vt % chunk, gates[vt - vt % chunk + vs, vh, 0], T.float32(0))
+        for g, t, s, i in T.grid(hk, rows, chunk, dk):
+            with T.sblock("delta_kk"):
+                vg, vt, vs, vi = T.axis.remap("SSSR", [g, t, s, i])
+                with T.init():
+                    kk[vg, vt, vs] = T.float32(0)
+                kk[vg, vt, vs] = kk[vg, vt, vs] + qk[vt, key + vg * dk + vi] * qk[vt - vt % chunk + vs, key + vg * dk + vi]
+        for g, t, s, i in T.grid(hk, rows, chunk, dk):
+            with T.sblock("delta_qk"):
+                vg, vt, vs, vi = T.axis.remap("SSSR", [g, t, s, i])
+                with T.init():
+                    qk_dot[vg, vt, vs] = T.float32(0)
+                qk_dot[vg, vt, vs] = qk_dot[vg, vt, vs] + qk[vt, vg * dk + vi] * qk[vt - vt % chunk + vs, key + vg * dk + vi]
+        for h, c, e in T.grid(hv, rows // chunk, dk + dv):
+            with T.sblock("delta_solve"):  # forward substitution for one right-hand-side column (of k, then of v)
+                vh, vc, ve = T.axis.remap("SSS", [h, c, e])
+                T.reads(gates[vc * chunk:vc * chunk + chunk, vh, 0:2], qk[vc * chunk:vc * chunk + chunk, 0:2 * hk * dk],
+                        qkv[vc * chunk:vc * chunk + chunk, 0:width], decay[vh, vc * chunk:vc * chunk + chunk],
+                        kk[vh // ratio, vc * chunk:vc * chunk + chunk, 0:chunk])
+                T.writes(w[vh, vc * chunk:vc * chunk + chunk, 0:dk], u[vh, vc * chunk:vc * chunk + chunk, 0:dv])
+                x = T.alloc_buffer((chunk,), "float32", scope="local")
+                for r in range(chunk):
+                    t = vc * chunk + r
+                    x[r] = gates[t, vh, 1] * T.if_then_else(ve < dk, qk[t, key + vh // ratio * dk + T.min(ve, dk - 1)]
+                                                            * T.exp(decay[vh, t]), qkv[t, value + vh * dv + T.max(ve - dk, 0)])
+                    for s in range(r):
+                        x[r] = x[r] - gates[t, vh, 1] * kk[vh // ratio, t, s] * T.exp(
+                            decay[vh, t] - decay[vh, vc * chunk + s]) * x[s]
+                for r in range(chunk):
+                    if ve < dk:
+                        w[vh, vc * chunk + r, ve] = x[r]
+                    else:
+                        u[vh, vc * chunk + r, ve - dk] = x[r]
+        for h, j in T.grid(hv, dv):
+            with T.sblock("delta_scan"):  # one state column: S[:, j] of head h, one update per chunk
+                vh, vj = T.axis.remap("SS", [h, j])
+                T.reads(old[vh, 0:dk, vj], u[vh, 0:rows, vj], w[vh, 0:rows, 0:dk], qk[0:rows, 0:2 * hk * dk],
+                        decay[vh, 0:rows], qk_dot[vh // ratio, 0:rows, 0:chunk])
+                T.writes(state[vh, 0:dk, vj], out[0:rows, vh * dv + vj])
+                col = T.alloc_buffer((dk,), "float32", scope="local")
+                fresh = T.alloc_buffer((chunk,), "float32", scope="local")
+                for i in range(dk):
+                    col[i] = old[vh, i, vj]
+                for c in range(rows // chunk):
+                    for r in range(chunk):  # the new values: what the state does not already predict
+                        fresh[r] = u[vh, c * chunk + r, vj]
+                        for i in range(dk):
+                            fresh[r] = fresh[r] - w[vh, c * chunk + r, i] * col[i]
+                    for r in range(chunk):
+                        t = c * chunk + r
+                        out[t, vh * dv + vj] = T.float32(0)
+                        for i in range(dk):
+                            out[t, vh * dv + vj] = out[t, vh * dv + vj] + qk[t, vh // ratio * dk + i] * T.exp(
+                                decay[vh, t]) * col[i]
+                        for s in range(r + 1):
+                            out[t, vh * dv + vj] = out[t, vh * dv + vj] + qk_dot[vh // ratio, t, s] * T.exp(
+                                decay[vh, t] - decay[vh, c * chunk + s]) * fresh[s]
+                    for i in range(dk):
+                        col[i] = col[i] * T.exp(decay[vh, c * chunk + chunk - 1])
+                        for r in range(chunk):
+                            col[i] = col[i] + qk[c * chunk + r, key + vh // ratio * dk + i] * T.exp(
+                                decay[vh, c * chunk + chunk - 1] - decay[vh, c * chunk + r]) * fresh[r]
+                for i in range(dk):
+                    state[vh, i, vj] = col[i]
+
+    return func
+
+
 KERNELS = {
     "embedding": embedding, "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "linear": linear, "rope": rope,
     "attention": attention, "kv_append": kv_append, "silu_mul": silu_mul, "add": add, "take_last": take_last,
     "paged_kv_append": paged_kv_append, "paged_attention": paged_attention, "take_rows": take_rows,
+    "slice_cols": slice_cols, "sigmoid_mul": sigmoid_mul, "causal_conv1d": causal_conv1d,
+    "delta_inputs": delta_inputs, "gated_delta_rule": gated_delta_rule,
 }
 
 

@@ -5,7 +5,9 @@ Scalars (`pos`, `n`) are int32 tensors of shape (): the start position of the ne
 the KV cache and the number of valid (unpadded) new tokens. The paged ops serve batches of
 sequences: their KV lives in pages of a shared arena [pages, block, width]; each token row says
 which sequence it belongs to (`row_of`), its position (`pos_of`), and where its K/V go (`slots`:
-page * block + offset, negative for padding rows).
+page * block + offset, negative for padding rows). The recurrent ops of Qwen3.5's linear-attention
+layers (`causal_conv1d`, `gated_delta_rule`) carry their state across calls in float32 tensors
+they update in place, and give their per-token output as a fresh tensor.
 """
 
 from __future__ import annotations
@@ -47,10 +49,19 @@ def _embedding(ins, attrs):
     return [TensorType((ids.shape[0], table.shape[1]), "float32")]
 
 
+def _norm_weight(x: TensorType, w: TensorType, attrs: dict, what: str) -> None:
+    """A norm's weight covers one group: the whole row, or `group` features normalised separately."""
+    group = attrs.get("group", x.shape[1])
+    _check(isinstance(group, int) and group > 0 and isinstance(x.shape[1], int) and x.shape[1] % group == 0,
+           f"{what} group {group!r} must divide the {x.shape[1]} features")
+    _check(isinstance(attrs.get("weight_offset", 0.0), float), f"{what} weight_offset must be a float")
+    _weight(w, (group,), f"{what} weight")
+
+
 def _rms_norm(ins, attrs):
     x, w = ins
     _act(x, 2, "rms_norm input")
-    _weight(w, (x.shape[1],), "rms_norm weight")
+    _norm_weight(x, w, attrs, "rms_norm")
     return [x]
 
 
@@ -58,8 +69,69 @@ def _add_rms_norm(ins, attrs):
     x, residual, w = ins
     _act(x, 2, "add_rms_norm input")
     _check(residual == x, f"add_rms_norm residual {residual} must match input {x}")
-    _weight(w, (x.shape[1],), "add_rms_norm weight")
+    _check("group" not in attrs, "add_rms_norm normalises whole rows")
+    _norm_weight(x, w, attrs, "add_rms_norm")
     return [x, x]
+
+
+def _slice_cols(ins, attrs):
+    (x,) = ins
+    _act(x, 2, "slice_cols input")
+    period, offset, width = attrs["period"], attrs["offset"], attrs["width"]
+    _check(all(isinstance(v, int) for v in (period, offset, width)) and width > 0 and 0 <= offset
+           and offset + width <= period and x.shape[1] % period == 0,
+           f"slice_cols period {period!r}, offset {offset!r}, width {width!r} do not fit {x}")
+    return [TensorType((x.shape[0], x.shape[1] // period * width), "float32")]
+
+
+def _causal_conv1d(ins, attrs):
+    x, state, w, n = ins
+    _act(x, 2, "causal_conv1d input")
+    channels = x.shape[1]
+    _check(state.dtype == "float32" and len(state.shape) == 2 and state.shape[1] == channels,
+           f"causal_conv1d state must be float32 [kernel - 1, {channels}], got {state}")
+    _weight(w, (channels, 1, state.shape[0] + 1), "causal_conv1d weight")
+    _scalar(n, "causal_conv1d n")
+    return [x, state]
+
+
+def _delta_heads(attrs: dict, *names: str) -> tuple[int, ...]:
+    values = tuple(attrs[k] for k in names)
+    _check(all(isinstance(v, int) and v > 0 for v in values), f"delta rule {names} must be positive ints, got {values}")
+    return values
+
+
+def _delta_inputs(ins, attrs):
+    qkv, a, b, a_log, dt_bias, n = ins
+    hk, dk = _delta_heads(attrs, "num_k_heads", "k_dim")
+    _act(qkv, 2, "delta_inputs qkv")
+    rows, hv = qkv.shape[0], a.shape[1] if len(a.shape) == 2 else 0
+    _check(isinstance(qkv.shape[1], int) and qkv.shape[1] > 2 * hk * dk, f"delta_inputs qkv {qkv} holds no values "
+           f"after q and k ({hk} x {dk} each)")
+    for t, what in ((a, "a"), (b, "b")):
+        _check(t == TensorType((rows, hv), "float32"), f"delta_inputs {what} must be float32[{rows}, heads], got {t}")
+    _weight(a_log, (hv,), "delta_inputs A_log")
+    _weight(dt_bias, (hv,), "delta_inputs dt_bias")
+    _scalar(n, "delta_inputs n")
+    return [TensorType((rows, 2 * hk * dk), "float32"), TensorType((rows, hv, 2), "float32")]
+
+
+def _gated_delta_rule(ins, attrs):
+    qk, qkv, gates, state = ins
+    hk, hv, dk, dv = _delta_heads(attrs, "num_k_heads", "num_v_heads", "k_dim", "v_dim")
+    _check(hv % hk == 0, f"gated_delta_rule: {hk} k heads do not group {hv} v heads")
+    _check(isinstance(attrs["chunk"], int) and attrs["chunk"] >= 0, f"gated_delta_rule chunk must be an int >= 0, "
+           f"got {attrs['chunk']!r}")
+    _act(qk, 2, "gated_delta_rule qk")
+    rows = qk.shape[0]
+    _check(qk.shape[1] == 2 * hk * dk, f"gated_delta_rule qk {qk} is not q and k of {hk} x {dk}")
+    _act(qkv, 2, "gated_delta_rule qkv")
+    _check(qkv.shape == (rows, 2 * hk * dk + hv * dv), f"gated_delta_rule qkv {qkv} is not q, k and v ({hv} x {dv})")
+    _check(gates == TensorType((rows, hv, 2), "float32"), f"gated_delta_rule gates must be float32[{rows}, {hv}, 2], "
+           f"got {gates}")
+    _check(state == TensorType((hv, dk, dv), "float32"), f"gated_delta_rule state must be float32[{hv}, {dk}, {dv}], "
+           f"got {state}")
+    return [TensorType((rows, hv * dv), "float32"), state]
 
 
 def _linear(ins, attrs):
@@ -172,13 +244,19 @@ class OpSpec:
     infer: Callable[[list[TensorType], dict], list[TensorType]]
     optional_inputs: tuple[str, ...] = ()
     inplace: tuple[int, ...] = ()
-    """For each output, the input it overwrites in place (empty: all outputs are fresh)."""
+    """For each output, the input it overwrites in place, or -1 for a fresh one (empty: all fresh)."""
+    optional_attrs: tuple[str, ...] = ()
+
+    @property
+    def overwritten(self) -> tuple[int, ...]:
+        """The inputs this op writes in place."""
+        return tuple(i for i in self.inplace if i >= 0)
 
 
 OPS: dict[str, OpSpec] = {
     "embedding": OpSpec(("table", "ids"), (), _embedding),
-    "rms_norm": OpSpec(("x", "weight"), ("eps",), _rms_norm),
-    "add_rms_norm": OpSpec(("x", "residual", "weight"), ("eps",), _add_rms_norm),
+    "rms_norm": OpSpec(("x", "weight"), ("eps",), _rms_norm, optional_attrs=("group", "weight_offset")),
+    "add_rms_norm": OpSpec(("x", "residual", "weight"), ("eps",), _add_rms_norm, optional_attrs=("weight_offset",)),
     "linear": OpSpec(("x", "weight"), (), _linear, optional_inputs=("bias",)),
     "rope": OpSpec(("x", "pos"), ("head_dim", "inv_freq"), _rope),
     "kv_append": OpSpec(("cache", "new", "pos", "n"), (), _kv_append, inplace=(0,)),
@@ -190,6 +268,12 @@ OPS: dict[str, OpSpec] = {
     "paged_attention": OpSpec(("q", "k_pages", "v_pages", "block_table", "row_of", "pos_of"),
                               ("num_heads", "num_kv_heads", "head_dim", "scale"), _paged_attention),
     "take_rows": OpSpec(("x", "index"), (), _take_rows),
+    "slice_cols": OpSpec(("x",), ("period", "offset", "width"), _slice_cols),
+    "sigmoid_mul": OpSpec(("gate", "x"), (), _elementwise),
+    "causal_conv1d": OpSpec(("x", "state", "weight", "n"), (), _causal_conv1d, inplace=(-1, 1)),
+    "delta_inputs": OpSpec(("qkv", "a", "b", "a_log", "dt_bias", "n"), ("num_k_heads", "k_dim"), _delta_inputs),
+    "gated_delta_rule": OpSpec(("qk", "qkv", "gates", "state"), ("num_k_heads", "num_v_heads", "k_dim", "v_dim",
+                                                                  "chunk"), _gated_delta_rule, inplace=(-1, 3)),
 }
 
 
@@ -201,6 +285,6 @@ def infer_types(kind: str, inputs: list[TensorType], attrs: dict) -> list[Tensor
     _check(lo <= len(inputs) <= hi, f"{kind} takes {lo}..{hi} inputs, got {len(inputs)}")
     missing = [a for a in spec.attrs if a not in attrs]
     _check(not missing, f"{kind} lacks attributes {missing}")
-    unknown = [a for a in attrs if a not in spec.attrs]
+    unknown = [a for a in attrs if a not in spec.attrs + spec.optional_attrs]
     _check(not unknown, f"{kind} has unknown attributes {unknown}")
     return spec.infer(inputs, attrs)

@@ -23,7 +23,7 @@ def eliminate_dead_values(graph: Graph) -> Graph:
     ops = list(graph.ops)
     while True:
         users = _users(replace(graph, ops=ops))
-        live = [op for op in ops if OPS[op.kind].inplace or any(users.get(o, 0) for o in op.outputs)]
+        live = [op for op in ops if OPS[op.kind].overwritten or any(users.get(o, 0) for o in op.outputs)]
         if len(live) == len(ops):
             break
         ops = live

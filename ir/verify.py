@@ -33,7 +33,7 @@ def verify_graph(graph: Graph, program: Program) -> None:
             if graph.types.get(out) != t:
                 raise IRError(f"{where}: {out!r} is typed {graph.types.get(out)}, {op.kind} gives {t}")
             defined.add(out)
-        for src in OPS[op.kind].inplace:
+        for src in OPS[op.kind].overwritten:
             if op.inputs[src] in program.params:
                 raise IRError(f"{where}: {op.kind} would overwrite param {op.inputs[src]!r}")
             overwritten.add(op.inputs[src])

@@ -7,12 +7,13 @@ from typing import Mapping
 
 from ir import Program
 
-from . import llama, qwen2
+from . import llama, qwen2, qwen3_5
 from .checkpoint import TensorEntry, check_tensors, scan_checkpoint
 from .config import ConfigReader, ModelConfigError, read_config_json
 from .decoder import DecoderConfig, build_decoder_program, checkpoint_shapes
 
-ARCHITECTURES = {"llama": llama.read_config, "qwen2": qwen2.read_config}
+ARCHITECTURES = {"llama": llama.read_config, "qwen2": qwen2.read_config, "qwen3_5": qwen3_5.read_config,
+                 "qwen3_5_text": qwen3_5.read_config}
 
 
 def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
@@ -25,7 +26,7 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
     if quant is not None:
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
         raise cfg.error("quantization_config", f"marks a quantised checkpoint ({method!r}); "
-                        "the float Llama/Qwen2 path takes unquantised weights only")
+                        "the float Llama/Qwen2/Qwen3.5 loaders take unquantised weights only")
     return ARCHITECTURES[model_type](cfg)
 
 
@@ -37,7 +38,16 @@ def load_config(model_dir: str | Path) -> DecoderConfig:
 
 def build_program(config: DecoderConfig, param_dtypes: Mapping[str, str] | None = None) -> Program:
     """The verified IR program (prefill + decode entries) for a config."""
+    if isinstance(config, qwen3_5.Qwen35Config):
+        return qwen3_5.build_program(config, param_dtypes)
     return build_decoder_program(config, param_dtypes)
+
+
+def tensor_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor names and shapes a config implies."""
+    if isinstance(config, qwen3_5.Qwen35Config):
+        return qwen3_5.checkpoint_shapes(config)
+    return checkpoint_shapes(config)
 
 
 def load_checkpoint_program(model_dir: str | Path) -> tuple[dict, DecoderConfig, dict[str, TensorEntry], Program]:
@@ -48,13 +58,13 @@ def load_checkpoint_program(model_dir: str | Path) -> tuple[dict, DecoderConfig,
     raw, path = read_config_json(model_dir)
     config = parse_config(raw, str(path))
     tensors = scan_checkpoint(model_dir)
-    program = build_program(config, check_tensors(tensors, checkpoint_shapes(config), model_dir))
+    program = build_program(config, check_tensors(tensors, tensor_shapes(config), model_dir))
     return raw, config, tensors, program
 
 
 def checkpoint_tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
     """Checkpoint tensor names and shapes for a raw config.json dict."""
-    return checkpoint_shapes(parse_config(raw_config))
+    return tensor_shapes(parse_config(raw_config))
 
 
 __all__ = ["ARCHITECTURES", "DecoderConfig", "ModelConfigError", "build_program", "checkpoint_shapes",

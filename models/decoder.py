@@ -55,6 +55,16 @@ class DecoderConfig:
 
 def read_decoder_config(cfg: ConfigReader, model_type: str, *, qkv_bias: bool, tie_default: bool) -> DecoderConfig:
     """Validate the fields a Llama-style decoder uses and derive the rest (head_dim, rope)."""
+    fields = decoder_fields(cfg, tie_default)
+    if cfg.float("partial_rotary_factor", 1.0) != 1.0:
+        raise cfg.error("partial_rotary_factor", "must be 1.0; Llama-style decoders rotate the whole head")
+    theta, scaling = read_rope(cfg)
+    return DecoderConfig(model_type=model_type, qkv_bias=qkv_bias,
+                         rope_inv_freq=tuple(inv_freq(cfg, fields["head_dim"], theta, scaling)), **fields)
+
+
+def decoder_fields(cfg: ConfigReader, tie_default: bool) -> dict:
+    """The DecoderConfig fields every decoder shares (all but model_type, rope and biases), validated."""
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise cfg.error("hidden_act", f"is {act!r}; only 'silu' (SwiGLU) is supported")
@@ -71,9 +81,6 @@ def read_decoder_config(cfg: ConfigReader, model_type: str, *, qkv_bias: bool, t
         head_dim = hidden // heads
     if head_dim % 2:
         raise cfg.error("head_dim", f"must be even for rotary embeddings, got {head_dim}")
-    if cfg.float("partial_rotary_factor", 1.0) != 1.0:
-        raise cfg.error("partial_rotary_factor", "must be 1.0; Llama-style decoders rotate the whole head")
-    theta, scaling = read_rope(cfg)
     dtype_field = "torch_dtype" if cfg.raw.get("torch_dtype") is not None else "dtype"  # transformers v5 writes "dtype"
     dtype = cfg.get(dtype_field, "float32")
     if dtype not in PARAM_DTYPES:
@@ -82,8 +89,7 @@ def read_decoder_config(cfg: ConfigReader, model_type: str, *, qkv_bias: bool, t
     bos = cfg.get("bos_token_id", None)
     if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int)):
         raise cfg.error("bos_token_id", f"must be an integer, got {bos!r}")
-    return DecoderConfig(
-        model_type=model_type,
+    return dict(
         vocab_size=cfg.int("vocab_size"),
         hidden_size=hidden,
         intermediate_size=cfg.int("intermediate_size"),
@@ -92,9 +98,7 @@ def read_decoder_config(cfg: ConfigReader, model_type: str, *, qkv_bias: bool, t
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=cfg.float("rms_norm_eps", 1e-6),
-        rope_inv_freq=tuple(inv_freq(cfg, head_dim, theta, scaling)),
         tie_word_embeddings=cfg.bool("tie_word_embeddings", tie_default),
-        qkv_bias=qkv_bias,
         max_position_embeddings=cfg.int("max_position_embeddings", 2048),
         dtype=dtype,
         bos_token_id=bos,
@@ -147,15 +151,18 @@ def _entry(c: DecoderConfig, params: dict[str, Param], name: str, tokens):
         def attend(q, k, v, p, k_cache=k_cache, v_cache=v_cache):
             k_all = g.op("kv_append", [k_cache, k, pos, n], p + "k_cache")
             v_all = g.op("kv_append", [v_cache, v, pos, n], p + "v_cache")
-            return g.op("attention", [q, k_all, v_all, pos, n], p + "attn", **_attention_attrs(c))
+            return g.op("attention", [q, k_all, v_all, pos, n], p + "attn", **attention_attrs(c))
         h = _layer(g, c, f"model.layers.{i}.", h, pos, attend)
     h = g.op("rms_norm", [h, "model.norm.weight"], "final_norm", eps=c.rms_norm_eps)
+    logits = logits_head(g, c, h, n, tokens, "model.embed_tokens.weight")
+    return eliminate_dead_values(fuse_add_rms_norm(g.finish([logits])))
+
+
+def logits_head(g: GraphBuilder, c: DecoderConfig, h: str, n: str, tokens, embed: str) -> str:
+    """Logits of the last valid token of the normalised hidden states (lm_head, or the tied embedding)."""
     if tokens != 1:
         h = g.op("take_last", [h, n], "last")
-    head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
-    logits = g.op("linear", [h, head], "logits")
-    graph = g.finish([logits])
-    return eliminate_dead_values(fuse_add_rms_norm(graph))
+    return g.op("linear", [h, embed if c.tie_word_embeddings else "lm_head.weight"], "logits")
 
 
 def _step_entry(c: DecoderConfig, params: dict[str, Param]):
@@ -178,7 +185,7 @@ def _step_entry(c: DecoderConfig, params: dict[str, Param]):
         def attend(q, k, v, p, k_pages=k_pages, v_pages=v_pages):
             k_all = g.op("paged_kv_append", [k_pages, k, slots], p + "k_pages")
             v_all = g.op("paged_kv_append", [v_pages, v, slots], p + "v_pages")
-            return g.op("paged_attention", [q, k_all, v_all, table, row_of, pos_of], p + "attn", **_attention_attrs(c))
+            return g.op("paged_attention", [q, k_all, v_all, table, row_of, pos_of], p + "attn", **attention_attrs(c))
         h = _layer(g, c, f"model.layers.{i}.", h, pos_of, attend)
     h = g.op("rms_norm", [h, "model.norm.weight"], "final_norm", eps=c.rms_norm_eps)
     h = g.op("take_rows", [h, last], "last_rows")
@@ -186,7 +193,8 @@ def _step_entry(c: DecoderConfig, params: dict[str, Param]):
     return eliminate_dead_values(fuse_add_rms_norm(g.finish([g.op("linear", [h, head], "logits")])))
 
 
-def _attention_attrs(c: DecoderConfig) -> dict:
+def attention_attrs(c: DecoderConfig) -> dict:
+    """The attention op's attributes for this config."""
     return {"num_heads": c.num_attention_heads, "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
             "scale": c.head_dim ** -0.5}
 

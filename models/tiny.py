@@ -1,4 +1,4 @@
-"""Tiny random-weight Llama and Qwen2 checkpoints in the exact Hugging Face layout, for tests.
+"""Tiny random-weight Llama, Qwen2 and Qwen3.5 checkpoints in the exact Hugging Face layout, for tests.
 
 `write_tiny_checkpoint` writes config.json, safetensors weights (single file or sharded with
 an index), a byte-level BPE tokenizer trained on a small embedded corpus (tokenizer.json,
@@ -6,7 +6,10 @@ tokenizer_config.json) and generation_config.json. Everything is deterministic i
 Weights are scaled so that logits have a clear top-1 margin, which keeps greedy decoding
 comparable token by token across implementations.
 
-CLI: python -m models.tiny OUT_DIR [--arch qwen2|llama] [--seed N] [--dtype D] [--shards N] [--overwrite]
+Qwen3.5 comes in both of its config forms: `qwen3_5_text` (a text-only checkpoint) and `qwen3_5` (the
+image-text checkpoint's config with a `text_config`; weights under `model.language_model.`).
+
+CLI: python -m models.tiny OUT_DIR [--arch qwen2|llama|qwen3_5_text|qwen3_5] [--seed N] [--dtype D] [--shards N] [--overwrite]
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from models import checkpoint_tensor_shapes
 
-ARCHS = ("qwen2", "llama")
+ARCHS = ("qwen2", "llama", "qwen3_5_text", "qwen3_5")
+QWEN35_ARCHS = ("qwen3_5_text", "qwen3_5")
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 _QWEN2_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -139,8 +143,13 @@ _MAX_SHARDS = 99999  # shard file names have five digits
 EMBED_STD = 0.1  # std of embeddings and lm_head; see random_weights
 
 
+def _qwen_family(arch: str) -> bool:
+    """Qwen2 and Qwen3.5 share the ChatML specials, the tokenizer rules and the chat template."""
+    return arch == "qwen2" or arch in QWEN35_ARCHS
+
+
 def _specials(arch: str) -> tuple[str, ...]:
-    return _QWEN2_SPECIALS if arch == "qwen2" else _LLAMA_SPECIALS
+    return _QWEN2_SPECIALS if _qwen_family(arch) else _LLAMA_SPECIALS
 
 
 def special_token_ids(arch: str, vocab_size: int) -> dict[str, int]:
@@ -156,7 +165,7 @@ def build_tokenizer(arch: str, vocab_size: int) -> Tokenizer:
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if bpe_size < len(alphabet):
         raise ValueError(f"vocab_size must be >= {len(alphabet) + len(specials)} for {arch} (256 bytes + specials)")
-    qwen2 = arch == "qwen2"
+    qwen2 = _qwen_family(arch)
     tokenizer = Tokenizer(models.BPE(fuse_unk=False, byte_fallback=False, ignore_merges=not qwen2))
     if qwen2:
         tokenizer.normalizer = normalizers.NFC()
@@ -209,13 +218,29 @@ def tiny_config(
     rope_scaling: dict | None = None,
     max_position_embeddings: int = 2048,
     rms_norm_eps: float = 1e-6,
+    **qwen35_options,
 ) -> dict:
-    """The config.json dict of a tiny `arch` model, laid out as the Hugging Face checkpoints have it."""
+    """The config.json dict of a tiny `arch` model, laid out as the Hugging Face checkpoints have it.
+
+    Qwen3.5 also takes the options of `qwen35_text_fields` (layer_types, linear-attention shapes...).
+    """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if qwen35_options and arch not in QWEN35_ARCHS:
+        raise ValueError(f"options {sorted(qwen35_options)} only apply to Qwen3.5")
     ids = special_token_ids(arch, vocab_size)
+    if arch in QWEN35_ARCHS:
+        text = {"model_type": "qwen3_5_text", "dtype": dtype, "hidden_act": "silu", "hidden_size": hidden_size,
+                "intermediate_size": intermediate_size, "num_hidden_layers": num_hidden_layers,
+                "num_attention_heads": num_attention_heads, "num_key_value_heads": num_key_value_heads,
+                "head_dim": head_dim or hidden_size // num_attention_heads, "vocab_size": vocab_size,
+                "max_position_embeddings": max_position_embeddings, "rms_norm_eps": rms_norm_eps,
+                "tie_word_embeddings": bool(tie_word_embeddings), "attention_bias": False, "attention_dropout": 0.0,
+                "eos_token_id": ids["<|im_end|>"], "bos_token_id": None, "use_cache": True,
+                **qwen35_text_fields(num_hidden_layers, rope_theta, **qwen35_options)}
+        return qwen35_config(arch, dict(sorted(text.items())))
     config = {
         "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
         "model_type": arch,
@@ -258,6 +283,32 @@ def tiny_config(
     return dict(sorted(config.items()))
 
 
+def qwen35_text_fields(layers: int, rope_theta: float, *, layer_types: list[str] | None = None,
+                       linear_num_key_heads: int = 2, linear_num_value_heads: int = 4, linear_key_head_dim: int = 16,
+                       linear_value_head_dim: int = 16, linear_conv_kernel_dim: int = 4,
+                       partial_rotary_factor: float = 0.25) -> dict:
+    """The Qwen3.5-only text config fields; layers alternate linear and full attention by default."""
+    return {
+        "layer_types": layer_types or ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "linear_num_key_heads": linear_num_key_heads, "linear_num_value_heads": linear_num_value_heads,
+        "linear_key_head_dim": linear_key_head_dim, "linear_value_head_dim": linear_value_head_dim,
+        "linear_conv_kernel_dim": linear_conv_kernel_dim,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta, "partial_rotary_factor": partial_rotary_factor,
+                            "mrope_interleaved": True, "mrope_section": [11, 11, 10]},
+    }
+
+
+def qwen35_config(arch: str, text: dict) -> dict:
+    """A text config as the text-only checkpoint has it, or wrapped as the image-text checkpoint's."""
+    if arch == "qwen3_5_text":
+        return {"architectures": ["Qwen3_5ForCausalLM"], **text}
+    ids = special_token_ids(arch, text["vocab_size"])
+    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
+            "tie_word_embeddings": text["tie_word_embeddings"], "image_token_id": ids["<|endoftext|>"] - 1,
+            "video_token_id": ids["<|endoftext|>"] - 2, "vision_start_token_id": ids["<|endoftext|>"] - 3,
+            "vision_end_token_id": ids["<|endoftext|>"] - 4}
+
+
 def random_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
     """Random tensors for every checkpoint tensor of `config`, in its dtype, deterministic in `seed`.
 
@@ -268,21 +319,32 @@ def random_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
     decoding repeat the input token); the final norm is scaled by 1 / EMBED_STD so that logits
     still have a standard deviation of about sqrt(hidden_size) and a clear top-1 margin.
     """
-    dtype = DTYPES[config["torch_dtype"]]
+    text = config.get("text_config", config)
+    dtype = DTYPES[text.get("torch_dtype") or text["dtype"]]
+    offset = 1.0 if "layer_types" in text else 0.0  # Qwen3.5 stores its RMSNorm scales as (scale - 1)
     weights = {}
     for name, shape in checkpoint_tensor_shapes(config).items():
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         x = rng.standard_normal(shape, dtype=np.float32)
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             x = x * EMBED_STD
-        elif name == "model.norm.weight":
-            x = (1.0 + 0.1 * x) / EMBED_STD
-        elif name.endswith("layernorm.weight"):
+        elif name.endswith("model.norm.weight") or name.endswith("language_model.norm.weight"):
+            x = (1.0 + 0.1 * x) / EMBED_STD - offset
+        elif name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")):
+            x = 1.0 + 0.1 * x - offset
+        elif name.endswith("linear_attn.norm.weight"):
             x = 1.0 + 0.1 * x
         elif name.endswith("_proj.bias"):
             x = 0.1 * x
-        elif name.endswith("_proj.weight"):
+        elif name.endswith(("_proj.weight", "_proj_qkv.weight", "_proj_z.weight", "_proj_a.weight", "_proj_b.weight")):
             x = x / np.sqrt(shape[1], dtype=np.float32)
+        elif name.endswith("conv1d.weight"):
+            x = x / np.sqrt(shape[-1], dtype=np.float32)
+        elif name.endswith("dt_bias"):
+            x = 1.0 + 0.1 * x
+        elif name.endswith("A_log"):  # the decay rates A in [0.5, 4); kept float32 as in the real checkpoints
+            weights[name] = np.log(rng.uniform(0.5, 4.0, shape)).astype(np.float32)
+            continue
         else:
             raise ValueError(f"no initialisation rule for checkpoint tensor {name!r}")
         weights[name] = x.astype(dtype)
@@ -333,7 +395,7 @@ def tokenizer_config(arch: str, vocab_size: int, model_max_length: int) -> dict:
         "model_input_names": ["input_ids", "attention_mask"],
         "model_max_length": model_max_length,
     }
-    if arch == "qwen2":
+    if _qwen_family(arch):
         return common | {
             "add_bos_token": False,
             "add_prefix_space": False,
@@ -357,8 +419,9 @@ def tokenizer_config(arch: str, vocab_size: int, model_max_length: int) -> dict:
 
 def generation_config(config: dict) -> dict:
     """The generation_config.json dict: the arch's bos/eos/pad ids, greedy by default."""
-    ids = special_token_ids(config["model_type"], config["vocab_size"])
-    if config["model_type"] == "qwen2":
+    text = config.get("text_config", config)
+    ids = special_token_ids(config["model_type"], text["vocab_size"])
+    if _qwen_family(config["model_type"]):
         endoftext = ids["<|endoftext|>"]
         return {"bos_token_id": endoftext, "eos_token_id": [ids["<|im_end|>"], endoftext], "pad_token_id": endoftext}
     return {"bos_token_id": ids["<|begin_of_text|>"], "eos_token_id": [ids["<|end_of_text|>"], ids["<|eot_id|>"]]}
@@ -384,7 +447,7 @@ def write_tiny_checkpoint(
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"{out}: directory exists and is not empty; pass overwrite=True (--overwrite) to replace it")
     config = tiny_config(arch, **config_options)
-    vocab_size = config["vocab_size"]
+    vocab_size = config.get("text_config", config)["vocab_size"]
     tokenizer = build_tokenizer(arch, vocab_size)
     weights = random_weights(config, seed)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -395,7 +458,8 @@ def write_tiny_checkpoint(
         _write_json(staging / "generation_config.json", generation_config(config))
         save_weights(weights, staging, shards)
         tokenizer.save(str(staging / "tokenizer.json"))
-        _write_json(staging / "tokenizer_config.json", tokenizer_config(arch, vocab_size, config["max_position_embeddings"]))
+        max_positions = config.get("text_config", config)["max_position_embeddings"]
+        _write_json(staging / "tokenizer_config.json", tokenizer_config(arch, vocab_size, max_positions))
         _replace_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -12,7 +12,7 @@ import tvm_ffi
 from tvm.runtime.vm import VirtualMachine
 
 import models
-from ir import stable_hash
+from ir import CONTEXT, stable_hash
 from ir.errors import RudaError
 
 from .artifact import MODULE, ArtifactError, build_command, config_hash, default_artifact_dir, read_manifest
@@ -29,7 +29,8 @@ class GenerationError(RudaError):
 
 @dataclass
 class KVCache:
-    """One sequence's keys and values for every layer, at one capacity bucket."""
+    """One sequence's state for every layer at one capacity bucket: keys and values of attention
+    layers, and the (zero-initialised) conv and recurrent states of linear-attention layers."""
 
     tensors: list[tvm.runtime.Tensor]
     capacity: int
@@ -99,15 +100,21 @@ class CompiledModel:
         """The most tokens (prompt + generated) one sequence can hold."""
         return self.context_buckets[-1]
 
-    def new_cache(self, tokens: int) -> KVCache:
-        """An empty KV cache of the smallest capacity bucket that holds `tokens` tokens."""
+    def new_cache(self, tokens: int | None = None) -> KVCache:
+        """An empty cache of the smallest capacity bucket that holds `tokens` tokens (default: the largest)."""
+        tokens = self.max_context if tokens is None else tokens
         fitting = [c for c in self.context_buckets if c >= tokens]
         if not fitting:
             raise GenerationError(f"{tokens} tokens (prompt + new tokens) exceed the largest context bucket "
                                   f"{self.max_context}; shorten the request or rebuild with a larger "
                                   f"--context-buckets (up to max_position_embeddings {self.config.max_position_embeddings})")
-        shape = (fitting[0], self.manifest["kv_width"])
-        tensors = [tvm.runtime.empty(shape, "float32", self.device) for _ in range(2 * self.manifest["num_layers"])]
+        tensors = []
+        for entry in self.manifest["cache"]:
+            shape = tuple(fitting[0] if d == CONTEXT else d for d in entry["shape"])
+            if CONTEXT in entry["shape"]:  # KV rows are written before they are read
+                tensors.append(tvm.runtime.empty(shape, entry["dtype"], self.device))
+            else:  # recurrent state starts at zero
+                tensors.append(tvm.runtime.tensor(np.zeros(shape, entry["dtype"]), self.device))
         return KVCache(tensors, fitting[0])
 
     def forward(self, token_ids: list[int], cache: KVCache) -> np.ndarray:
@@ -130,6 +137,10 @@ class CompiledModel:
             logits = self._run(f"prefill_t{chunk}_c{cache.capacity}", part, chunk, cache)
             done += len(part)
         return logits
+
+    def forward_cached_last(self, token_ids: list[int], cache: KVCache) -> np.ndarray:
+        """The logits after the last of `token_ids`, appended to `cache` (pass only tokens not yet in it)."""
+        return self.forward(token_ids, cache)
 
     def batch_layout(self) -> dict:
         """The artifact's batched-step buckets and KV arena layout, or an error saying how to build them."""

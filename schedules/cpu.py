@@ -15,10 +15,12 @@ def _is_reduction(sch: s_tir.Schedule, block) -> bool:
 
 
 def _spatial(sch: s_tir.Schedule, block, lanes: int) -> None:
-    """Fuse all loops, run chunks of them on the cores, vectorise the innermost `lanes`."""
+    """Fuse all loops, run chunks of them on the cores, vectorise the innermost `lanes` (unless each
+    iteration runs a loop of its own: the sequential scans of the recurrent ops)."""
     fused = sch.fuse(*sch.get_loops(block))
     ext = static_extent(sch, fused)
-    if ext is not None and ext % lanes == 0 and ext > lanes:
+    simple = isinstance(sch.get(block).body, tirx.BufferStore)
+    if simple and ext is not None and ext % lanes == 0 and ext > lanes:
         outer, inner = sch.split(fused, [None, lanes])
         sch.parallel(outer)
         sch.vectorize(inner)

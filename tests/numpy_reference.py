@@ -13,8 +13,11 @@ def embedding(table, ids):
     return f32(table)[ids]
 
 
-def rms_norm(x, w, eps):
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * f32(w)
+def rms_norm(x, w, eps, group=None, weight_offset=0.0):
+    rows, width = x.shape
+    g = x.reshape(rows, -1, group or width)
+    y = g / np.sqrt(np.mean(g * g, axis=-1, keepdims=True) + eps) * (f32(w) + weight_offset)
+    return y.reshape(rows, width)
 
 
 def add_rms_norm(x, r, w, eps):
@@ -102,3 +105,52 @@ def paged_attention(q, k_pages, v_pages, table, row_of, pos_of, num_heads, num_k
 
 def take_rows(x, index):
     return x[index]
+
+
+def slice_cols(x, period, offset, width):
+    rows = x.shape[0]
+    return x.reshape(rows, -1, period)[:, :, offset:offset + width].reshape(rows, -1)
+
+
+def sigmoid_mul(g, x):
+    return x / (1 + np.exp(-g))
+
+
+def causal_conv1d(x, state, w, n):
+    """(output, new state): depthwise causal conv over [state; x[:n]], SiLU."""
+    keep = state.shape[0]
+    seq = np.concatenate([state, x[:n]])
+    w = f32(w)[:, 0, :]  # [channels, kernel]
+    conv = np.stack([(seq[t:t + keep + 1] * w.T).sum(axis=0) for t in range(n)])
+    return conv / (1 + np.exp(-conv)), seq[-keep:]
+
+
+def delta_inputs(qkv, a, b, a_log, dt_bias, n, num_k_heads, k_dim):
+    """(normalised q (scaled) and k, gates [rows, heads, (g, beta)]) of the gated delta rule."""
+    rows = qkv.shape[0]
+    qk = qkv[:, :2 * num_k_heads * k_dim].reshape(rows, 2 * num_k_heads, k_dim)
+    qk = qk / np.sqrt((qk * qk).sum(axis=-1, keepdims=True) + 1e-6)
+    qk[:, :num_k_heads] *= k_dim ** -0.5
+    x = a + f32(dt_bias)
+    softplus = np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
+    gates = np.stack([-np.exp(f32(a_log)) * softplus, 1 / (1 + np.exp(-b))], axis=-1)
+    gates[n:] = 0
+    return qk.reshape(rows, -1), gates
+
+
+def gated_delta_rule(qk, qkv, gates, state, num_k_heads, num_v_heads, k_dim, v_dim):
+    """(output, new state): the recurrence token by token, per value head."""
+    rows, ratio = qk.shape[0], num_v_heads // num_k_heads
+    q = qk[:, :num_k_heads * k_dim].reshape(rows, num_k_heads, k_dim)
+    k = qk[:, num_k_heads * k_dim:].reshape(rows, num_k_heads, k_dim)
+    v = qkv[:, 2 * num_k_heads * k_dim:].reshape(rows, num_v_heads, v_dim)
+    s = state.astype(np.float64).copy()
+    out = np.zeros((rows, num_v_heads, v_dim))
+    for t in range(rows):
+        for h in range(num_v_heads):
+            kh = h // ratio
+            s[h] *= np.exp(gates[t, h, 0])
+            delta = (v[t, h] - k[t, kh] @ s[h]) * gates[t, h, 1]
+            s[h] += np.outer(k[t, kh], delta)
+            out[t, h] = q[t, kh] @ s[h]
+    return out.reshape(rows, -1).astype(np.float32), s.astype(np.float32)

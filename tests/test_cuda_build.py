@@ -128,7 +128,7 @@ def test_direct_path_names_an_op_it_cannot_emit(checkpoints, tmp_path, monkeypat
             return original(func, kind)
         sch = gpu.s_tir.Schedule(func)
         block = sch.get_sblock("rms_norm_sumsq")
-        row, col = sch.get_loops(block)
+        row, _, col = sch.get_loops(block)  # rows, groups (one: the whole row), features
         sch.bind(row, "blockIdx.x")
         sch.bind(sch.split(col, [None, 64])[1], "threadIdx.x")
         gpu._thread_per_output(sch, sch.get_sblock("rms_norm"))
@@ -175,7 +175,17 @@ OP_SAMPLES = {
     "paged_attention": ([_t((4, 64)), _t((8, 4, 32)), _t((8, 4, 32)), _t((2, 3), "int32"), _t((4,), "int32"),
                          _t((4,), "int32")], ATTN),
     "take_rows": ([_t((4, 64)), _t((2,), "int32")], {}),
+    "slice_cols": ([_t((4, 64))], {"period": 32, "offset": 16, "width": 16}),
+    "sigmoid_mul": ([_t((4, 64)), _t((4, 64))], {}),
+    "causal_conv1d": ([_t((4, 96)), _t((3, 96)), _t((96, 1, 4), "bfloat16"), _t((), "int32")], {}),
+    "delta_inputs": ([_t((4, 96)), _t((4, 4)), _t((4, 4)), _t((4,)), _t((4,), "bfloat16"), _t((), "int32")],
+                     {"num_k_heads": 2, "k_dim": 16}),
+    "gated_delta_rule": ([_t((8, 64)), _t((8, 96)), _t((8, 4, 2)), _t((4, 16, 8))],
+                         {"num_k_heads": 2, "num_v_heads": 4, "k_dim": 16, "v_dim": 8, "chunk": 4}),
 }
+RECURRENT = {**OP_SAMPLES["gated_delta_rule"][1], "chunk": 0}
+GPU_CASES = [(kind, *OP_SAMPLES[kind]) for kind in sorted(OP_SAMPLES)] + [
+    ("gated_delta_rule", [_t((1, 64)), _t((1, 96)), _t((1, 4, 2)), _t((4, 16, 8))], RECURRENT)]
 
 
 def test_every_op_has_a_gpu_sample():
@@ -183,14 +193,13 @@ def test_every_op_has_a_gpu_sample():
     assert set(OP_SAMPLES) == set(OPS)
 
 
-@pytest.mark.parametrize("kind", sorted(OP_SAMPLES))
-def test_every_op_compiles_to_ptx_through_the_direct_path(kind, tmp_path):
+@pytest.mark.parametrize("kind,types,attrs", GPU_CASES)
+def test_every_op_compiles_to_ptx_through_the_direct_path(kind, types, attrs, tmp_path):
     import tvm
 
     from compiler.kernels import make_kernel
     from schedules import gpu
 
-    types, attrs = OP_SAMPLES[kind]
     target = cuda_target("sm_90", "ptx")
     cuda.prepare_environment()
     func = gpu.schedule(make_kernel(kind, types, attrs).func, kind)

@@ -29,10 +29,12 @@ def run_kernel(kind: str, inputs: list, attrs: dict) -> list[np.ndarray]:
     dev = tvm.cpu()
     args = [x if isinstance(x, int) else tvm.runtime.tensor(x, dev) for x in inputs]
     args += [tvm.runtime.tensor(c, dev) for c in kernel.constants]
-    inplace = OPS[kind].inplace
-    outs = [] if inplace else [tvm.runtime.empty(t.shape, t.dtype, dev) for t in infer_types(kind, types, attrs)]
-    lib["main"](*args, *outs)
-    return [args[i].numpy() for i in inplace] if inplace else [o.numpy() for o in outs]
+    out_types = infer_types(kind, types, attrs)
+    inplace = OPS[kind].inplace or (-1,) * len(out_types)
+    fresh = [tvm.runtime.empty(t.shape, t.dtype, dev) for t, src in zip(out_types, inplace) if src < 0]
+    lib["main"](*args, *fresh)
+    fresh_iter = iter(fresh)
+    return [(next(fresh_iter) if src < 0 else args[src]).numpy() for src in inplace]
 
 
 def rand(*shape, dtype="float32", scale=1.0):
@@ -151,3 +153,72 @@ def test_take_rows():
     x = rand(7, 12)
     index = np.array([6, 0, 3], dtype=np.int32)
     close(run_kernel("take_rows", [x, index], {})[0], ref.take_rows(x, index))
+
+
+@pytest.mark.parametrize("group,offset", [(16, 1.0), (48, 0.0), (8, 0.5)])
+def test_rms_norm_per_group_with_weight_offset(group, offset):
+    x, w = rand(5, 48), rand(group, dtype="bfloat16", scale=0.1)
+    attrs = {"eps": 1e-6, "group": group, "weight_offset": offset}
+    close(run_kernel("rms_norm", [x, w], attrs)[0], ref.rms_norm(x, w, 1e-6, group, offset))
+
+
+def test_add_rms_norm_with_weight_offset():
+    x, r, w = rand(3, 32), rand(3, 32), rand(32, scale=0.1)
+    s, y = run_kernel("add_rms_norm", [x, r, w], {"eps": 1e-6, "weight_offset": 1.0})
+    close(y, ref.rms_norm(x + r, w, 1e-6, None, 1.0))
+
+
+@pytest.mark.parametrize("period,offset,width", [(32, 0, 16), (32, 16, 16), (40, 8, 24)])
+def test_slice_cols(period, offset, width):
+    x = rand(3, 4 * period) if period != 40 else rand(3, 40)
+    close(run_kernel("slice_cols", [x], {"period": period, "offset": offset, "width": width})[0],
+          ref.slice_cols(x, period, offset, width))
+
+
+def test_sigmoid_mul():
+    g, x = rand(4, 24), rand(4, 24)
+    close(run_kernel("sigmoid_mul", [g, x], {})[0], ref.sigmoid_mul(g, x))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows,n", [(1, 1), (8, 8), (8, 5), (16, 2)])
+def test_causal_conv1d_output_and_rolling_state(dtype, rows, n):
+    x, state, w = rand(rows, 40), rand(3, 40), rand(40, 1, 4, dtype=dtype)
+    y, new_state = run_kernel("causal_conv1d", [x, state, w, n], {})
+    want_y, want_state = ref.causal_conv1d(x, state, w, n)
+    close(y[:n], want_y, tol=1e-4)
+    close(new_state, want_state)
+
+
+def _delta_case(rows, n, hk, hv, dk, dv, seed):
+    rng = np.random.default_rng(seed)
+    qkv = rng.standard_normal((rows, 2 * hk * dk + hv * dv)).astype(np.float32)
+    a, b = (rng.standard_normal((rows, hv)).astype(np.float32) for _ in range(2))
+    a_log = np.log(rng.uniform(0.5, 4, hv)).astype(np.float32)
+    dt_bias = rng.standard_normal(hv).astype(ml_dtypes.bfloat16)
+    state = (rng.standard_normal((hv, dk, dv)) * 0.5).astype(np.float32)
+    return qkv, a, b, a_log, dt_bias, state
+
+
+@pytest.mark.parametrize("rows,n", [(1, 1), (6, 4), (16, 16)])
+def test_delta_inputs(rows, n):
+    qkv, a, b, a_log, dt_bias, _ = _delta_case(rows, n, 2, 4, 8, 6, seed=rows)
+    a[0, 0], a[-1, -1] = 30.0, -25.0  # beyond softplus's linear threshold; exp(x) below the series threshold
+    attrs = {"num_k_heads": 2, "k_dim": 8}
+    qk, gates = run_kernel("delta_inputs", [qkv, a, b, a_log, dt_bias, n], attrs)
+    want_qk, want_gates = ref.delta_inputs(qkv, a, b, a_log, dt_bias, n, **attrs)
+    close(qk, want_qk)
+    close(gates, want_gates)
+
+
+@pytest.mark.parametrize("chunk", [0, 4, 64])
+@pytest.mark.parametrize("rows,n,hk,hv,dk,dv", [(1, 1, 2, 4, 8, 6), (8, 8, 2, 2, 8, 6), (16, 11, 1, 3, 8, 6),
+                                                (12, 12, 2, 4, 8, 6), (16, 9, 2, 4, 16, 16)])
+def test_gated_delta_rule_recurrent_and_chunked_match_the_recurrence(chunk, rows, n, hk, hv, dk, dv):
+    qkv, a, b, a_log, dt_bias, state = _delta_case(rows, n, hk, hv, dk, dv, seed=rows + n)
+    qk, gates = ref.delta_inputs(qkv, a, b, a_log, dt_bias, n, hk, dk)
+    attrs = {"num_k_heads": hk, "num_v_heads": hv, "k_dim": dk, "v_dim": dv, "chunk": chunk}
+    out, new_state = run_kernel("gated_delta_rule", [qk, qkv, gates, state], attrs)
+    want_out, want_state = ref.gated_delta_rule(qk, qkv, gates, state, hk, hv, dk, dv)
+    close(out[:n], want_out[:n], tol=1e-4)
+    close(new_state, want_state, tol=1e-4)

@@ -1,0 +1,227 @@
+"""Qwen3.5 text: a hybrid decoder of Gated DeltaNet (linear attention) and gated full-attention layers.
+
+    ids -> embed -> N x [RMSNorm -> token mixer -> +residual, RMSNorm -> SwiGLU MLP -> +residual]
+         -> RMSNorm -> lm_head -> logits
+
+`layer_types[i]` picks layer i's token mixer:
+- `linear_attention`: in_proj_qkv -> causal depthwise conv1d (rolling state) + SiLU -> gated delta rule
+  (recurrent state) -> RMSNorm per value head, times SiLU(in_proj_z) -> out_proj;
+- `full_attention`: q_proj gives the query and a gate per head; q/k RMSNorm per head, rotary on the
+  first `partial_rotary_factor` of each head, causal attention over the KV cache, times sigmoid(gate)
+  -> o_proj.
+Every RMSNorm except the gated one scales by (1 + weight). Two config forms: `qwen3_5_text` (weights
+under `model.`) and `qwen3_5` with a `text_config` (the image-text checkpoint, weights under
+`model.language_model.`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Mapping
+
+from ir import CONTEXT, TOKENS, GraphBuilder, Param, Program, TensorType, eliminate_dead_values, fuse_add_rms_norm, verify
+
+from .config import ConfigReader
+from .decoder import DecoderConfig, attention_attrs, decoder_fields, logits_head
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+TOP_LEVEL_FALLBACKS = ("torch_dtype", "dtype", "tie_word_embeddings", "eos_token_id", "bos_token_id")
+PREFILL_CHUNK = 64  # tokens per chunk of the chunked delta rule in prefill
+NORM_OFFSET = 1.0  # Qwen3.5's RMSNorm weights are stored as (scale - 1)
+
+
+@dataclass(frozen=True)
+class Qwen35Config(DecoderConfig):
+    """DecoderConfig plus the hybrid layout and the linear-attention shapes."""
+
+    layer_types: tuple[str, ...]
+    rotary_dim: int
+    conv_kernel: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    weight_prefix: str
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: q, k and v of the linear-attention layers."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.value_dim
+
+    @property
+    def value_dim(self) -> int:
+        """Width of all value heads of a linear-attention layer."""
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+
+def text_config(cfg: ConfigReader) -> tuple[ConfigReader, str]:
+    """(reader over the text config, weight prefix) for either config form."""
+    if cfg.raw.get("model_type") == "qwen3_5_text":
+        return cfg, "model."
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise cfg.error("text_config", "must be an object holding the text model's config")
+    if text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
+        raise cfg.error("text_config", f"has model_type {text.get('model_type')!r}; expected 'qwen3_5_text'")
+    merged = {k: cfg.raw[k] for k in TOP_LEVEL_FALLBACKS if cfg.raw.get(k) is not None} | text
+    return ConfigReader(merged, f"{cfg.source} (text_config)"), "model.language_model."
+
+
+def read_config(cfg: ConfigReader) -> Qwen35Config:
+    """Validate a Qwen3.5 text config (either form)."""
+    model_type = cfg.raw.get("model_type")
+    text, prefix = text_config(cfg)
+    if text.raw.get("quantization_config") is not None:
+        raise text.error("quantization_config", "marks a quantised checkpoint; the Qwen3.5 text loader takes "
+                         "unquantised weights only")
+    if text.get("attention_bias", False):
+        raise text.error("attention_bias", "is true; Qwen3.5 attention without biases is supported only")
+    fields = decoder_fields(text, tie_default=False)
+    layers = fields["num_hidden_layers"]
+    types = _layer_types(text, layers)
+    rope = text.get("rope_parameters", None) or text.raw
+    rope_reader = ConfigReader(rope, text.source if rope is text.raw else f"{text.source} (rope_parameters)")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "mrope"):
+        raise rope_reader.error("rope_type", f"is {kind!r}; Qwen3.5 text uses 'default' (or 'mrope', the same for text)")
+    theta = rope_reader.float("rope_theta", text.raw.get("rope_theta", 10000.0))
+    fraction = rope_reader.float("partial_rotary_factor", text.raw.get("partial_rotary_factor", 0.25))
+    rotary = int(fields["head_dim"] * fraction)
+    if rotary % 2 or not 0 < rotary <= fields["head_dim"]:
+        raise rope_reader.error("partial_rotary_factor", f"({fraction}) rotates {rotary} of {fields['head_dim']} "
+                                "head dims; it must rotate an even number > 0")
+    k_heads, v_heads = text.int("linear_num_key_heads", 16), text.int("linear_num_value_heads", 32)
+    if v_heads % k_heads:
+        raise text.error("linear_num_value_heads", f"({v_heads}) must be a multiple of linear_num_key_heads ({k_heads})")
+    return Qwen35Config(
+        model_type=model_type, qkv_bias=False,
+        rope_inv_freq=tuple(1.0 / theta ** (2 * i / rotary) for i in range(rotary // 2)),
+        layer_types=types, rotary_dim=rotary, conv_kernel=text.int("linear_conv_kernel_dim", 4, minimum=2),
+        linear_num_key_heads=k_heads, linear_num_value_heads=v_heads,
+        linear_key_head_dim=text.int("linear_key_head_dim", 128), linear_value_head_dim=text.int("linear_value_head_dim", 128),
+        weight_prefix=prefix, **fields)
+
+
+def _layer_types(text: ConfigReader, layers: int) -> tuple[str, ...]:
+    types = text.get("layer_types", None)
+    if types is None:
+        interval = text.int("full_attention_interval", 4)
+        return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers))
+    if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
+        raise text.error("layer_types", f"must list one of {', '.join(LAYER_TYPES)} for each of the {layers} layers, "
+                         f"got {types!r}")
+    return tuple(types)
+
+
+def checkpoint_shapes(c: Qwen35Config) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name -> shape, as the Hugging Face checkpoint stores them."""
+    p, hidden = c.weight_prefix, c.hidden_size
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    shapes = {p + "embed_tokens.weight": (c.vocab_size, hidden)}
+    for i, kind in enumerate(c.layer_types):
+        layer = f"{p}layers.{i}."
+        shapes[layer + "input_layernorm.weight"] = (hidden,)
+        if kind == "full_attention":
+            a = layer + "self_attn."
+            shapes |= {a + "q_proj.weight": (2 * q, hidden), a + "k_proj.weight": (kv, hidden),
+                       a + "v_proj.weight": (kv, hidden), a + "o_proj.weight": (hidden, q),
+                       a + "q_norm.weight": (c.head_dim,), a + "k_norm.weight": (c.head_dim,)}
+        else:
+            a, heads = layer + "linear_attn.", c.linear_num_value_heads
+            shapes |= {a + "in_proj_qkv.weight": (c.conv_dim, hidden), a + "in_proj_z.weight": (c.value_dim, hidden),
+                       a + "in_proj_b.weight": (heads, hidden), a + "in_proj_a.weight": (heads, hidden),
+                       a + "conv1d.weight": (c.conv_dim, 1, c.conv_kernel), a + "dt_bias": (heads,),
+                       a + "A_log": (heads,), a + "norm.weight": (c.linear_value_head_dim,),
+                       a + "out_proj.weight": (hidden, c.value_dim)}
+        shapes[layer + "post_attention_layernorm.weight"] = (hidden,)
+        shapes[layer + "mlp.gate_proj.weight"] = (c.intermediate_size, hidden)
+        shapes[layer + "mlp.up_proj.weight"] = (c.intermediate_size, hidden)
+        shapes[layer + "mlp.down_proj.weight"] = (hidden, c.intermediate_size)
+    shapes[p + "norm.weight"] = (hidden,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, hidden)
+    return shapes
+
+
+def build_program(c: Qwen35Config, param_dtypes: Mapping[str, str] | None = None) -> Program:
+    """Prefill and decode graphs; params in `param_dtypes` (default: the config's dtype)."""
+    dtypes = param_dtypes or {}
+    params = {n: Param(n, TensorType(s, dtypes.get(n, c.dtype))) for n, s in checkpoint_shapes(c).items()}
+    entries = {name: _entry(c, params, name, tokens) for name, tokens in (("prefill", TOKENS), ("decode", 1))}
+    return verify(Program(c.model_type, params, entries, {"config": asdict(c)}))
+
+
+def _entry(c: Qwen35Config, params: dict[str, Param], name: str, tokens):
+    g = GraphBuilder(name, params)
+    ids = g.input("ids", (tokens,), "int32")
+    pos = g.input("pos", (), "int32")
+    n = g.input("n", (), "int32")
+    states = []
+    for i, kind in enumerate(c.layer_types):
+        if kind == "full_attention":
+            kv = c.num_key_value_heads * c.head_dim
+            states.append([g.input(f"{part}_cache.{i}", (CONTEXT, kv), "float32") for part in ("k", "v")])
+        else:
+            states.append([g.input(f"conv_state.{i}", (c.conv_kernel - 1, c.conv_dim), "float32"),
+                           g.input(f"delta_state.{i}", (c.linear_num_value_heads, c.linear_key_head_dim,
+                                                        c.linear_value_head_dim), "float32")])
+    p = c.weight_prefix
+    h = g.op("embedding", [p + "embed_tokens.weight", ids], "embed")
+    chunk = 0 if tokens == 1 else PREFILL_CHUNK
+    for i, (kind, state) in enumerate(zip(c.layer_types, states)):
+        layer = f"{p}layers.{i}."
+        x = g.op("rms_norm", [h, layer + "input_layernorm.weight"], layer + "mixer_norm", eps=c.rms_norm_eps,
+                 weight_offset=NORM_OFFSET)
+        if kind == "full_attention":
+            mixed = _gated_attention(g, c, layer, x, pos, n, *state)
+        else:
+            mixed = _gated_delta_net(g, c, layer, x, n, *state, chunk)
+        h = g.op("add", [h, mixed], layer + "mixer_res")
+        x = g.op("rms_norm", [h, layer + "post_attention_layernorm.weight"], layer + "mlp_norm", eps=c.rms_norm_eps,
+                 weight_offset=NORM_OFFSET)
+        gate = g.op("linear", [x, layer + "mlp.gate_proj.weight"], layer + "gate")
+        up = g.op("linear", [x, layer + "mlp.up_proj.weight"], layer + "up")
+        act = g.op("silu_mul", [gate, up], layer + "act")
+        h = g.op("add", [h, g.op("linear", [act, layer + "mlp.down_proj.weight"], layer + "down")], layer + "mlp_res")
+    h = g.op("rms_norm", [h, p + "norm.weight"], "final_norm", eps=c.rms_norm_eps, weight_offset=NORM_OFFSET)
+    logits = logits_head(g, c, h, n, tokens, p + "embed_tokens.weight")
+    return eliminate_dead_values(fuse_add_rms_norm(g.finish([logits])))
+
+
+def _gated_attention(g: GraphBuilder, c: Qwen35Config, layer: str, x: str, pos: str, n: str, k_cache: str,
+                     v_cache: str) -> str:
+    a, d = layer + "self_attn.", c.head_dim
+    q_gate = g.op("linear", [x, a + "q_proj.weight"], layer + "q_gate")
+    q = g.op("slice_cols", [q_gate], layer + "q", period=2 * d, offset=0, width=d)
+    gate = g.op("slice_cols", [q_gate], layer + "attn_gate", period=2 * d, offset=d, width=d)
+    k = g.op("linear", [x, a + "k_proj.weight"], layer + "k")
+    v = g.op("linear", [x, a + "v_proj.weight"], layer + "v")
+    norm = {"eps": c.rms_norm_eps, "group": d, "weight_offset": NORM_OFFSET}
+    q = g.op("rms_norm", [q, a + "q_norm.weight"], layer + "q_normed", **norm)
+    k = g.op("rms_norm", [k, a + "k_norm.weight"], layer + "k_normed", **norm)
+    rope = {"head_dim": d, "inv_freq": list(c.rope_inv_freq)}
+    q = g.op("rope", [q, pos], layer + "q_rot", **rope)
+    k = g.op("rope", [k, pos], layer + "k_rot", **rope)
+    k_all = g.op("kv_append", [k_cache, k, pos, n], layer + "k_cache")
+    v_all = g.op("kv_append", [v_cache, v, pos, n], layer + "v_cache")
+    attn = g.op("attention", [q, k_all, v_all, pos, n], layer + "attn", **attention_attrs(c))
+    gated = g.op("sigmoid_mul", [gate, attn], layer + "attn_gated")
+    return g.op("linear", [gated, a + "o_proj.weight"], layer + "attn_out")
+
+
+def _gated_delta_net(g: GraphBuilder, c: Qwen35Config, layer: str, x: str, n: str, conv_state: str,
+                     delta_state: str, chunk: int) -> str:
+    a = layer + "linear_attn."
+    qkv = g.op("linear", [x, a + "in_proj_qkv.weight"], layer + "qkv")
+    z = g.op("linear", [x, a + "in_proj_z.weight"], layer + "z")
+    b = g.op("linear", [x, a + "in_proj_b.weight"], layer + "b")
+    a_in = g.op("linear", [x, a + "in_proj_a.weight"], layer + "a")
+    mixed, _ = g.op("causal_conv1d", [qkv, conv_state, a + "conv1d.weight", n], layer + "conv")
+    heads = {"num_k_heads": c.linear_num_key_heads, "k_dim": c.linear_key_head_dim}
+    qk, gates = g.op("delta_inputs", [mixed, a_in, b, a + "A_log", a + "dt_bias", n], layer + "delta_in", **heads)
+    core, _ = g.op("gated_delta_rule", [qk, mixed, gates, delta_state], layer + "delta",
+                   num_v_heads=c.linear_num_value_heads, v_dim=c.linear_value_head_dim, chunk=chunk, **heads)
+    normed = g.op("rms_norm", [core, a + "norm.weight"], layer + "delta_normed", eps=c.rms_norm_eps,
+                  group=c.linear_value_head_dim)
+    gated = g.op("silu_mul", [z, normed], layer + "delta_gated")
+    return g.op("linear", [gated, a + "out_proj.weight"], layer + "delta_out")
