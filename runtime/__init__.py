@@ -13,7 +13,7 @@ _EXPORTS = {
     "engine": ["CompiledModel", "GenerationError", "KVCache"],
     "generation": ["GeneratedTokens", "TokenStream", "generate"],
     "pipeline": ["GeneratedText", "Pipeline", "TextStream", "load_huggingface_llama_pipeline",
-                 "load_huggingface_qwen2_pipeline", "load_pipeline"],
+                 "load_huggingface_qwen2_pipeline", "load_huggingface_qwen35_text", "load_pipeline"],
     "sampling": ["GenerationConfigError", "GreedyGenerationConfig", "SamplingConfig", "SamplingGenerationConfig"],
     "scheduler": ["BatchKind", "ContinuousBatchConfig", "ContinuousBatchScheduler", "FinishedRequest",
                   "PagedKvCacheConfig", "RequestId", "ScheduledBatch", "ScheduledSequence", "SchedulerError"],

@@ -1,6 +1,6 @@
 """`python -m runtime.generate`: run a prebuilt artifact greedily on a raw prompt, or on a file of prompts.
 
-    python -m runtime.generate MODEL_DIR PROMPT [MAX_NEW_TOKENS=32] [RUNS=1] [--artifact PATH] [--device cpu|cuda]
+    python -m runtime.generate MODEL_DIR PROMPT [MAX_NEW_TOKENS=32 (Qwen3.5: 8)] [RUNS=1] [--artifact PATH] [--device cpu|cuda]
     python -m runtime.generate MODEL_DIR --batch FILE [--max-new-tokens 32] [--artifact PATH] [--device cpu|cuda]
 
 Prompts are encoded as is (the tokenizer's own special-token template, no chat template). Prints
@@ -24,6 +24,8 @@ from .pipeline import load_pipeline
 from .sampling import GreedyGenerationConfig
 from .scheduler import ContinuousBatchConfig
 
+DEFAULT_NEW_TOKENS = {"qwen3_5": 8, "qwen3_5_text": 8}  # new tokens when not given; every other model: 32
+
 
 def _positive(name: str):
     def parse(text: str) -> int:
@@ -43,15 +45,15 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", metavar="MODEL_DIR")
     parser.add_argument("prompt", metavar="PROMPT", nargs="?")
-    parser.add_argument("max_new_tokens", metavar="MAX_NEW_TOKENS", nargs="?", default=32,
-                        type=_positive("MAX_NEW_TOKENS"))
+    parser.add_argument("max_new_tokens", metavar="MAX_NEW_TOKENS", nargs="?", type=_positive("MAX_NEW_TOKENS"),
+                        help="default 32 (Qwen3.5: 8)")
     parser.add_argument("runs", metavar="RUNS", nargs="?", default=1, type=_positive("RUNS"))
     parser.add_argument("--artifact", help="artifact directory (default: where `compiler build MODEL_DIR` writes)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="run the llvm artifact on the CPU (default) or the cuda artifact on the GPU")
     parser.add_argument("--batch", metavar="FILE", help="serve every line of FILE as a prompt, all at once")
-    parser.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=32,
-                        help="with --batch: new tokens per prompt (default 32)")
+    parser.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"),
+                        help="with --batch: new tokens per prompt (default 32, Qwen3.5: 8)")
     args = parser.parse_args(argv)
     if (args.prompt is None) == (args.batch is None):
         parser.error("give either PROMPT or --batch FILE")
@@ -63,10 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"event": "load", "model": str(Path(args.model_dir)), "model_type": model.config.model_type,
                           "target": target["kind"], **{k: target[k] for k in ("mcpu", "arch") if k in target},
                           "artifact": str(model.artifact), "load_seconds": round(model.load_seconds, 3)}), flush=True)
+        default_new = DEFAULT_NEW_TOKENS.get(model.config.model_type, 32)
         if prompts is not None:
-            _serve_batch(pipeline, prompts, args.max_new_tokens)
+            _serve_batch(pipeline, prompts, args.max_new_tokens or default_new)
             return 0
-        config = GreedyGenerationConfig(max_new_tokens=args.max_new_tokens)
+        config = GreedyGenerationConfig(max_new_tokens=args.max_new_tokens or default_new)
         for run in range(args.runs):
             r = pipeline.generate_text(args.prompt, config, add_special_tokens=True, skip_special_tokens=True)
             decode_steps = len(r.generated_token_ids) - 1

@@ -16,7 +16,9 @@ from .sampling import GenerationConfigError, GreedyGenerationConfig, SamplingGen
 from .tokenizer import Tokenizer, default_eos_token_ids
 
 DEFAULT_GREEDY = GreedyGenerationConfig()
-LOADERS = {"llama": "load_huggingface_llama_pipeline", "qwen2": "load_huggingface_qwen2_pipeline"}
+LOADERS = {"llama": "load_huggingface_llama_pipeline", "qwen2": "load_huggingface_qwen2_pipeline",
+           "qwen3_5": "load_huggingface_qwen35_text", "qwen3_5_text": "load_huggingface_qwen35_text"}
+QWEN35_TYPES = ("qwen3_5", "qwen3_5_text")
 
 
 @dataclass
@@ -123,11 +125,11 @@ def _finish(stream: TextStream) -> GeneratedText:
     return stream.result
 
 
-def _load(model_dir: str | Path, artifact, device: str, expected: str | None) -> Pipeline:
+def _load(model_dir: str | Path, artifact, device: str, expected: tuple[str, ...] | None) -> Pipeline:
     raw, path = read_config_json(model_dir)
     config = models.parse_config(raw, str(path))
-    if expected is not None and config.model_type != expected:
-        raise models.ModelConfigError(f"{path}: model_type is {config.model_type!r}, not {expected!r}; "
+    if expected is not None and config.model_type not in expected:
+        raise models.ModelConfigError(f"{path}: model_type is {config.model_type!r}, not {' or '.join(expected)}; "
                                       f"use {LOADERS[config.model_type]} (or load_pipeline)")
     return Pipeline(model_dir, artifact, device)
 
@@ -141,10 +143,19 @@ def load_pipeline(model_dir: str | Path, artifact: str | Path | None = None,
 def load_huggingface_llama_pipeline(model_dir: str | Path, artifact: str | Path | None = None,
                                     device: str = "cpu") -> Pipeline:
     """A pipeline for an unquantised Llama checkpoint."""
-    return _load(model_dir, artifact, device, "llama")
+    return _load(model_dir, artifact, device, ("llama",))
 
 
 def load_huggingface_qwen2_pipeline(model_dir: str | Path, artifact: str | Path | None = None,
                                     device: str = "cpu") -> Pipeline:
     """A pipeline for an unquantised Qwen2 / Qwen2.5 checkpoint."""
-    return _load(model_dir, artifact, device, "qwen2")
+    return _load(model_dir, artifact, device, ("qwen2",))
+
+
+def load_huggingface_qwen35_text(model_dir: str | Path, artifact: str | Path | None = None,
+                                 device: str = "cpu") -> Pipeline:
+    """A pipeline for a Qwen3.5 checkpoint's text model (either config form; no quantisation config).
+
+    `pipeline.model.new_cache()` and `pipeline.model.forward_cached_last(tokens, cache)` drive it by hand.
+    """
+    return _load(model_dir, artifact, device, QWEN35_TYPES)

@@ -37,6 +37,7 @@ PATHS = [
                  marks=pytest.mark.skipif(not nvrtc_available(), reason="cuda-bindings (NVRTC) not installed")),
     pytest.param("llama", "sm_80", "nvrtc", None,
                  marks=pytest.mark.skipif(not nvrtc_available(), reason="cuda-bindings (NVRTC) not installed")),
+    ("qwen3_5", "sm_90", "ptx", None), ("qwen3_5", "sm_80", "nvcc", "8.0"),
 ]
 DEFAULT_VERSION = {("ptx", "sm_90"): "7.8", ("ptx", "sm_80"): "7.0", ("nvcc", "sm_80"): "9.0",
                    ("nvcc", "sm_90"): "9.0", ("nvrtc", "sm_80"): "9.0", ("nvrtc", "sm_90"): "9.0"}
@@ -45,7 +46,7 @@ DEFAULT_VERSION = {("ptx", "sm_90"): "7.8", ("ptx", "sm_80"): "7.0", ("nvcc", "s
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("cuda")
-    return {arch: write_tiny_checkpoint(root / arch, arch=arch, dtype="bfloat16") for arch in ("qwen2", "llama")}
+    return {arch: write_tiny_checkpoint(root / arch, arch=arch, dtype="bfloat16") for arch in ("qwen2", "llama", "qwen3_5")}
 
 
 def _build(model_dir, out, **kw):
