@@ -117,6 +117,9 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
     start = time.perf_counter()
     tgt = make_target(target, mcpu=mcpu, arch=arch, cuda_compiler=cuda_compiler, ptx_version=ptx_version)
     raw, config, _, program = models.load_checkpoint_program(model_dir)
+    if batch_rows and "step" not in program.entries:
+        raise BuildError(f"--batch-rows: batched steps are not available for {program.model_type} yet; build without "
+                         "--batch-rows and run requests one at a time")
     buckets = resolve_buckets(prefill_buckets, context_buckets, config.max_position_embeddings, batch_rows, kv_pages,
                               kv_block)
     out = Path(out) if out is not None else default_artifact_dir(model_dir, target)
