@@ -64,8 +64,9 @@ def main() -> None:
         inputs = [_random_input(t, rng) for t in sig.types]
         call = [x if isinstance(x, int) else tvm.runtime.tensor(x, dev) for x in inputs]
         call += [tvm.runtime.tensor(c, dev) for c in kernel.constants]
-        if not OPS[sig.kind].inplace:
-            call += [tvm.runtime.empty(o.shape, o.dtype, dev) for o in infer_types(sig.kind, list(sig.types), attrs)]
+        outs = infer_types(sig.kind, list(sig.types), attrs)
+        call += [tvm.runtime.empty(o.shape, o.dtype, dev)
+                 for o, src in zip(outs, OPS[sig.kind].sources(len(outs))) if src < 0]
         ms = lib.mod.time_evaluator("main", dev, number=5, repeat=3)(*call).median * 1e3
         total += ms * count
         rows.append((ms * count, sig.kind, count, ms, ", ".join(str(t) for t in sig.types[:2])))

@@ -252,6 +252,10 @@ class OpSpec:
         """The inputs this op writes in place."""
         return tuple(i for i in self.inplace if i >= 0)
 
+    def sources(self, outputs: int) -> tuple[int, ...]:
+        """For each of `outputs` outputs, the input it overwrites, or -1 for a fresh one."""
+        return self.inplace or (-1,) * outputs
+
 
 OPS: dict[str, OpSpec] = {
     "embedding": OpSpec(("table", "ids"), (), _embedding),

@@ -30,7 +30,7 @@ def run_kernel(kind: str, inputs: list, attrs: dict) -> list[np.ndarray]:
     args = [x if isinstance(x, int) else tvm.runtime.tensor(x, dev) for x in inputs]
     args += [tvm.runtime.tensor(c, dev) for c in kernel.constants]
     out_types = infer_types(kind, types, attrs)
-    inplace = OPS[kind].inplace or (-1,) * len(out_types)
+    inplace = OPS[kind].sources(len(out_types))
     fresh = [tvm.runtime.empty(t.shape, t.dtype, dev) for t, src in zip(out_types, inplace) if src < 0]
     lib["main"](*args, *fresh)
     fresh_iter = iter(fresh)
