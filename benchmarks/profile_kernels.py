@@ -1,6 +1,7 @@
 """Time every kernel of one step (decode, or a prefill chunk) of a model on this CPU, heaviest first.
 
     python -m benchmarks.profile_kernels --shape qwen2.5-0.5b --dtype bfloat16 --tokens 1 --work DIR
+    python -m benchmarks.profile_kernels --model-dir MODEL_DIR --tokens 64
 
 Kernels run alone, repeatedly, on random inputs: small weight matrices stay in cache, so these
 times are a lower bound; `benchmarks.cpu_generate` gives the end-to-end figure.
@@ -22,7 +23,6 @@ from compiler.kernels import make_kernel
 from compiler.lower import op_signature
 from compiler.target import cpu_target
 from ir import CONTEXT, OPS, TOKENS, infer_types
-from models.checkpoint import check_tensors, scan_checkpoint
 from runtime.cpu import use_all_cores
 from schedules import cpu
 
@@ -44,13 +44,14 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tokens", type=int, default=1, help="1: a decode step; more: a prefill chunk")
-    parser.add_argument("--work", required=True, help="where the random checkpoint is kept")
+    parser.add_argument("--work", help="where the random checkpoint is kept")
+    parser.add_argument("--model-dir", help="profile this model directory instead of a random --shape checkpoint")
     args = parser.parse_args()
+    if (args.work is None) == (args.model_dir is None):
+        parser.error("give --work (with --shape) or --model-dir")
     use_all_cores()
-    model_dir = real_shape_checkpoint(args.work, args.shape, args.dtype)
-    config = models.load_config(model_dir)
-    program = models.build_program(config, check_tensors(scan_checkpoint(model_dir), models.checkpoint_shapes(config),
-                                                         model_dir))
+    model_dir = args.model_dir or real_shape_checkpoint(args.work, args.shape, args.dtype)
+    _, _, _, program = models.load_checkpoint_program(model_dir)
     target, dev, rng = cpu_target(), tvm.cpu(), np.random.default_rng(0)
     entry = "decode" if args.tokens == 1 else "prefill"
     graph = program.entries[entry]

@@ -307,13 +307,14 @@ def _delta_recurrent(rows, hk, hv, dk, dv, width):
                         gates[0:rows, vh, 0:2])
                 T.writes(state[vh, 0:dk, vj], out[0:rows, vh * dv + vj])
                 col = T.alloc_buffer((dk,), "float32", scope="local")
-                acc = T.alloc_buffer((1,), "float32", scope="local")
+                acc = T.alloc_buffer((2,), "float32", scope="local")  # a dot product, the step's decay
                 for i in range(dk):
                     col[i] = old[vh, i, vj]
                 for t in range(rows):
                     acc[0] = T.float32(0)
+                    acc[1] = T.exp(gates[t, vh, 0])
                     for i in range(dk):
-                        col[i] = col[i] * T.exp(gates[t, vh, 0])
+                        col[i] = col[i] * acc[1]
                         acc[0] = acc[0] + col[i] * qk[t, key + vh // ratio * dk + i]
                     acc[0] = (qkv[t, value + vh * dv + vj] - acc[0]) * gates[t, vh, 1]
                     out[t, vh * dv + vj] = T.float32(0)
@@ -335,48 +336,68 @@ def _delta_chunked(rows, hk, hv, dk, dv, width, chunk):
              out: T.Buffer((rows, hv * dv), "float32")):
         old = T.alloc_buffer((hv, dk, dv), "float32")
         decay = T.alloc_buffer((hv, rows), "float32")  # log decay from the chunk's start, inclusive
+        scales = T.alloc_buffer((hv, rows, 2), "float32")  # exp(decay), exp(decay at chunk end - decay)
         kk = T.alloc_buffer((hk, rows, chunk), "float32")  # k_t . k_s, s in t's chunk
         qk_dot = T.alloc_buffer((hk, rows, chunk), "float32")  # q_t . k_s, s in t's chunk
+        a_mat = T.alloc_buffer((hv, rows, chunk), "float32")  # strictly lower: beta_t k_t . k_s decayed from s to t
+        attn = T.alloc_buffer((hv, rows, chunk), "float32")  # lower: q_t . k_s decayed from s to t
         w = T.alloc_buffer((hv, rows, dk), "float32")  # (I + A)^-1 (beta k exp(decay)), per chunk
         u = T.alloc_buffer((hv, rows, dv), "float32")  # (I + A)^-1 (beta v), per chunk
         for h, i, j in T.grid(hv, dk, dv):
             with T.sblock("delta_state_in"):
                 vh, vi, vj = T.axis.remap("SSS", [h, i, j])
                 old[vh, vi, vj] = state[vh, vi, vj]
-        for h, t, s in T.grid(hv, rows, chunk):
+        for h, c, r, s in T.grid(hv, rows // chunk, chunk, chunk):
             with T.sblock("delta_decay"):
-                vh, vt, vs = T.axis.remap("SSR", [h, t, s])
+                vh, vc, vr, vs = T.axis.remap("SSSR", [h, c, r, s])
                 with T.init():
-                    decay[vh, vt] = T.float32(0)
-                decay[vh, vt] = decay[vh, vt] + T.if_then_else(
-                    vs <= vt % chunk, gates[vt - vt % chunk + vs, vh, 0], T.float32(0))
-        for g, t, s, i in T.grid(hk, rows, chunk, dk):
+                    decay[vh, vc * chunk + vr] = T.float32(0)
+                decay[vh, vc * chunk + vr] = decay[vh, vc * chunk + vr] + T.if_then_else(
+                    vs <= vr, gates[vc * chunk + vs, vh, 0], T.float32(0))
+        for h, c, r, e in T.grid(hv, rows // chunk, chunk, 2):
+            with T.sblock("delta_scales"):
+                vh, vc, vr, ve = T.axis.remap("SSSS", [h, c, r, e])
+                scales[vh, vc * chunk + vr, ve] = T.exp(T.if_then_else(
+                    ve == 0, decay[vh, vc * chunk + vr], decay[vh, vc * chunk + chunk - 1] - decay[vh, vc * chunk + vr]))
+        for g, c, r, s, i in T.grid(hk, rows // chunk, chunk, chunk, dk):
             with T.sblock("delta_kk"):
-                vg, vt, vs, vi = T.axis.remap("SSSR", [g, t, s, i])
+                vg, vc, vr, vs, vi = T.axis.remap("SSSSR", [g, c, r, s, i])
                 with T.init():
-                    kk[vg, vt, vs] = T.float32(0)
-                kk[vg, vt, vs] = kk[vg, vt, vs] + qk[vt, key + vg * dk + vi] * qk[vt - vt % chunk + vs, key + vg * dk + vi]
-        for g, t, s, i in T.grid(hk, rows, chunk, dk):
+                    kk[vg, vc * chunk + vr, vs] = T.float32(0)
+                kk[vg, vc * chunk + vr, vs] = kk[vg, vc * chunk + vr, vs] + qk[
+                    vc * chunk + vr, key + vg * dk + vi] * qk[vc * chunk + vs, key + vg * dk + vi]
+        for g, c, r, s, i in T.grid(hk, rows // chunk, chunk, chunk, dk):
             with T.sblock("delta_qk"):
-                vg, vt, vs, vi = T.axis.remap("SSSR", [g, t, s, i])
+                vg, vc, vr, vs, vi = T.axis.remap("SSSSR", [g, c, r, s, i])
                 with T.init():
-                    qk_dot[vg, vt, vs] = T.float32(0)
-                qk_dot[vg, vt, vs] = qk_dot[vg, vt, vs] + qk[vt, vg * dk + vi] * qk[vt - vt % chunk + vs, key + vg * dk + vi]
+                    qk_dot[vg, vc * chunk + vr, vs] = T.float32(0)
+                qk_dot[vg, vc * chunk + vr, vs] = qk_dot[vg, vc * chunk + vr, vs] + qk[
+                    vc * chunk + vr, vg * dk + vi] * qk[vc * chunk + vs, key + vg * dk + vi]
+        for h, c, r, s in T.grid(hv, rows // chunk, chunk, chunk):
+            with T.sblock("delta_a"):
+                vh, vc, vr, vs = T.axis.remap("SSSS", [h, c, r, s])
+                a_mat[vh, vc * chunk + vr, vs] = T.if_then_else(vs < vr, gates[vc * chunk + vr, vh, 1] * kk[
+                    vh // ratio, vc * chunk + vr, vs] * T.exp(decay[vh, vc * chunk + vr] - decay[vh, vc * chunk + vs]),
+                    T.float32(0))
+        for h, c, r, s in T.grid(hv, rows // chunk, chunk, chunk):
+            with T.sblock("delta_attn"):
+                vh, vc, vr, vs = T.axis.remap("SSSS", [h, c, r, s])
+                attn[vh, vc * chunk + vr, vs] = T.if_then_else(vs <= vr, qk_dot[vh // ratio, vc * chunk + vr, vs] * T.exp(
+                    decay[vh, vc * chunk + vr] - decay[vh, vc * chunk + vs]), T.float32(0))
         for h, c, e in T.grid(hv, rows // chunk, dk + dv):
             with T.sblock("delta_solve"):  # forward substitution for one right-hand-side column (of k, then of v)
                 vh, vc, ve = T.axis.remap("SSS", [h, c, e])
                 T.reads(gates[vc * chunk:vc * chunk + chunk, vh, 0:2], qk[vc * chunk:vc * chunk + chunk, 0:2 * hk * dk],
-                        qkv[vc * chunk:vc * chunk + chunk, 0:width], decay[vh, vc * chunk:vc * chunk + chunk],
-                        kk[vh // ratio, vc * chunk:vc * chunk + chunk, 0:chunk])
+                        qkv[vc * chunk:vc * chunk + chunk, 0:width], scales[vh, vc * chunk:vc * chunk + chunk, 0:2],
+                        a_mat[vh, vc * chunk:vc * chunk + chunk, 0:chunk])
                 T.writes(w[vh, vc * chunk:vc * chunk + chunk, 0:dk], u[vh, vc * chunk:vc * chunk + chunk, 0:dv])
                 x = T.alloc_buffer((chunk,), "float32", scope="local")
                 for r in range(chunk):
                     t = vc * chunk + r
                     x[r] = gates[t, vh, 1] * T.if_then_else(ve < dk, qk[t, key + vh // ratio * dk + T.min(ve, dk - 1)]
-                                                            * T.exp(decay[vh, t]), qkv[t, value + vh * dv + T.max(ve - dk, 0)])
+                                                            * scales[vh, t, 0], qkv[t, value + vh * dv + T.max(ve - dk, 0)])
                     for s in range(r):
-                        x[r] = x[r] - gates[t, vh, 1] * kk[vh // ratio, t, s] * T.exp(
-                            decay[vh, t] - decay[vh, vc * chunk + s]) * x[s]
+                        x[r] = x[r] - a_mat[vh, t, s] * x[s]
                 for r in range(chunk):
                     if ve < dk:
                         w[vh, vc * chunk + r, ve] = x[r]
@@ -386,7 +407,7 @@ def _delta_chunked(rows, hk, hv, dk, dv, width, chunk):
             with T.sblock("delta_scan"):  # one state column: S[:, j] of head h, one update per chunk
                 vh, vj = T.axis.remap("SS", [h, j])
                 T.reads(old[vh, 0:dk, vj], u[vh, 0:rows, vj], w[vh, 0:rows, 0:dk], qk[0:rows, 0:2 * hk * dk],
-                        decay[vh, 0:rows], qk_dot[vh // ratio, 0:rows, 0:chunk])
+                        scales[vh, 0:rows, 0:2], attn[vh, 0:rows, 0:chunk])
                 T.writes(state[vh, 0:dk, vj], out[0:rows, vh * dv + vj])
                 col = T.alloc_buffer((dk,), "float32", scope="local")
                 fresh = T.alloc_buffer((chunk,), "float32", scope="local")
@@ -401,16 +422,15 @@ def _delta_chunked(rows, hk, hv, dk, dv, width, chunk):
                         t = c * chunk + r
                         out[t, vh * dv + vj] = T.float32(0)
                         for i in range(dk):
-                            out[t, vh * dv + vj] = out[t, vh * dv + vj] + qk[t, vh // ratio * dk + i] * T.exp(
-                                decay[vh, t]) * col[i]
+                            out[t, vh * dv + vj] = out[t, vh * dv + vj] + qk[t, vh // ratio * dk + i] * col[i]
+                        out[t, vh * dv + vj] = out[t, vh * dv + vj] * scales[vh, t, 0]
                         for s in range(r + 1):
-                            out[t, vh * dv + vj] = out[t, vh * dv + vj] + qk_dot[vh // ratio, t, s] * T.exp(
-                                decay[vh, t] - decay[vh, c * chunk + s]) * fresh[s]
+                            out[t, vh * dv + vj] = out[t, vh * dv + vj] + attn[vh, t, s] * fresh[s]
                     for i in range(dk):
-                        col[i] = col[i] * T.exp(decay[vh, c * chunk + chunk - 1])
+                        col[i] = col[i] * scales[vh, c * chunk + chunk - 1, 0]
                         for r in range(chunk):
-                            col[i] = col[i] + qk[c * chunk + r, key + vh // ratio * dk + i] * T.exp(
-                                decay[vh, c * chunk + chunk - 1] - decay[vh, c * chunk + r]) * fresh[r]
+                            col[i] = col[i] + qk[c * chunk + r, key + vh // ratio * dk + i] * scales[
+                                vh, c * chunk + r, 1] * fresh[r]
                 for i in range(dk):
                     state[vh, i, vj] = col[i]
 
