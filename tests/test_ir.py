@@ -290,6 +290,9 @@ def test_verify_checks_every_entry():
 ATTN = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 2, "scale": 0.5}
 ROPE = {"head_dim": 4, "inv_freq": [1.0, 0.01]}
 X = _t(TOKENS, HIDDEN)
+SLICE = {"period": 4, "offset": 2, "width": 2}
+DELTA_IN = {"num_k_heads": 2, "k_dim": 2}  # q, k: 2 heads of 2; v: 2 heads of 3 (14 = 4 + 4 + 6 columns)
+DELTA = {**DELTA_IN, "num_v_heads": 2, "v_dim": 3, "chunk": 0}
 
 GOOD = {
     "embedding": ([_t(64, HIDDEN, dtype="bfloat16"), _t(TOKENS, dtype=I32)], {}, [X]),
@@ -306,6 +309,13 @@ GOOD = {
     "paged_attention": ([X, _t(9, 4, KV), _t(9, 4, KV), _t(3, 5, dtype=I32), _t(TOKENS, dtype=I32),
                          _t(TOKENS, dtype=I32)], ATTN, [X]),
     "take_rows": ([X, _t(3, dtype=I32)], {}, [_t(3, HIDDEN)]),
+    "slice_cols": ([X], SLICE, [_t(TOKENS, HIDDEN // 2)]),
+    "sigmoid_mul": ([X, X], {}, [X]),
+    "causal_conv1d": ([X, _t(3, HIDDEN), _t(HIDDEN, 1, 4, dtype="bfloat16"), SCALAR], {}, [X, _t(3, HIDDEN)]),
+    "delta_inputs": ([_t(TOKENS, 14), _t(TOKENS, 2), _t(TOKENS, 2), _t(2), _t(2, dtype="bfloat16"), SCALAR], DELTA_IN,
+                     [_t(TOKENS, 8), _t(TOKENS, 2, 2)]),
+    "gated_delta_rule": ([_t(TOKENS, 8), _t(TOKENS, 14), _t(TOKENS, 2, 2), _t(2, 2, 3)], DELTA,
+                         [_t(TOKENS, 6), _t(2, 2, 3)]),
 }
 
 
@@ -362,6 +372,25 @@ BAD = [
     ("paged_attention row_of length", _with("paged_attention", 4, _t(2, dtype=I32))),
     ("take_rows index float", _with("take_rows", 1, _t(3))),
     ("rope positions length", _with("rope", 1, _t(2, dtype=I32))),
+    ("rms_norm group does not divide", ("rms_norm", [X, _t(3)], {"eps": 1e-6, "group": 3})),
+    ("rms_norm weight not one group", ("rms_norm", [X, _t(HIDDEN)], {"eps": 1e-6, "group": 2})),
+    ("rms_norm weight_offset int", ("rms_norm", [X, _t(HIDDEN)], {"eps": 1e-6, "weight_offset": 1})),
+    ("add_rms_norm grouped", ("add_rms_norm", [X, X, _t(2)], {"eps": 1e-6, "group": 2})),
+    ("slice_cols beyond its period", ("slice_cols", [X], {**SLICE, "offset": 3})),
+    ("slice_cols period not dividing", ("slice_cols", [_t(TOKENS, 6)], SLICE)),
+    ("sigmoid_mul shapes differ", _with("sigmoid_mul", 1, _t(1, HIDDEN))),
+    ("causal_conv1d state width", _with("causal_conv1d", 1, _t(3, HIDDEN + 1))),
+    ("causal_conv1d kernel size", _with("causal_conv1d", 2, _t(HIDDEN, 1, 3))),
+    ("causal_conv1d n not scalar", _with("causal_conv1d", 3, _t(1, dtype=I32))),
+    ("delta_inputs no values", _with("delta_inputs", 0, _t(TOKENS, 8))),
+    ("delta_inputs a heads", _with("delta_inputs", 1, _t(TOKENS, 3))),
+    ("delta_inputs A_log size", _with("delta_inputs", 3, _t(3))),
+    ("delta_inputs heads zero", ("delta_inputs", GOOD["delta_inputs"][0], {**DELTA_IN, "k_dim": 0})),
+    ("gated_delta_rule qk width", _with("gated_delta_rule", 0, _t(TOKENS, 6))),
+    ("gated_delta_rule v heads", ("gated_delta_rule", GOOD["gated_delta_rule"][0], {**DELTA, "num_v_heads": 3})),
+    ("gated_delta_rule gates", _with("gated_delta_rule", 2, _t(TOKENS, 2))),
+    ("gated_delta_rule state", _with("gated_delta_rule", 3, _t(2, 3, 2))),
+    ("gated_delta_rule chunk", ("gated_delta_rule", GOOD["gated_delta_rule"][0], {**DELTA, "chunk": -1})),
 ]
 
 
