@@ -117,9 +117,6 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
     start = time.perf_counter()
     tgt = make_target(target, mcpu=mcpu, arch=arch, cuda_compiler=cuda_compiler, ptx_version=ptx_version)
     raw, config, _, program = models.load_checkpoint_program(model_dir)
-    if batch_rows and "step" not in program.entries:
-        raise BuildError(f"--batch-rows: batched steps are not available for {program.model_type} yet; build without "
-                         "--batch-rows and run requests one at a time")
     buckets = resolve_buckets(prefill_buckets, context_buckets, config.max_position_embeddings, batch_rows, kv_pages,
                               kv_block)
     out = Path(out) if out is not None else default_artifact_dir(model_dir, target)
@@ -146,6 +143,12 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
         "functions": [name for name, _, _ in buckets.functions()],
         "kernels": [sig.name for sig in kernel_signatures(program, buckets)],
     }
+    if buckets.batch_rows:
+        step = program.entries["step"]
+        manifest["batch_state"] = [{"name": name, "shape": list(step.types[name].bind(buckets.arena_dims()).shape),
+                                    "dtype": step.types[name].dtype}
+                                   for name in step.inputs if step.types[name].dtype == "float32"]
+        manifest["step_inputs"] = [name for name in step.inputs if step.types[name].dtype == "int32"]
     if isinstance(tgt, CudaTarget):
         manifest["ptx_file"] = PTX_FILE
     if not force and _up_to_date(out, manifest):

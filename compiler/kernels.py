@@ -288,43 +288,139 @@ def gated_delta_rule(types, attrs) -> Kernel:
     return Kernel(_delta_chunked(rows, hk, hv, dk, dv, types[1].shape[1], math.gcd(rows, attrs["chunk"])))
 
 
-def _delta_recurrent(rows, hk, hv, dk, dv, width):
+def _column_scan(hk, hv, dk, dv):
+    """The recurrence for one state column (value column j of head h) over `count` token rows from `first`.
+
+    `col` holds S[:, j] (k_dim values), `acc` two scalars; both are the caller's local buffers.
+    """
     ratio, key, value = hv // hk, hk * dk, 2 * hk * dk
+
+    @T.macro
+    def scan(col, acc, qk, qkv, gates, out, vh, vj, first, count):
+        for t in range(count):
+            acc[0] = T.float32(0)
+            acc[1] = T.exp(gates[first + t, vh, 0])
+            for i in range(dk):
+                col[i] = col[i] * acc[1]
+                acc[0] = acc[0] + col[i] * qk[first + t, key + vh // ratio * dk + i]
+            acc[0] = (qkv[first + t, value + vh * dv + vj] - acc[0]) * gates[first + t, vh, 1]
+            out[first + t, vh * dv + vj] = T.float32(0)
+            for i in range(dk):
+                col[i] = col[i] + qk[first + t, key + vh // ratio * dk + i] * acc[0]
+                out[first + t, vh * dv + vj] = out[first + t, vh * dv + vj] + col[i] * qk[
+                    first + t, vh // ratio * dk + i]
+
+    return scan
+
+
+def _delta_recurrent(rows, hk, hv, dk, dv, width):
+    scan = _column_scan(hk, hv, dk, dv)
 
     @T.prim_func(s_tir=True)
     def func(qk: T.Buffer((rows, 2 * hk * dk), "float32"), qkv: T.Buffer((rows, width), "float32"),
              gates: T.Buffer((rows, hv, 2), "float32"), state: T.Buffer((hv, dk, dv), "float32"),
              out: T.Buffer((rows, hv * dv), "float32")):
-        old = T.alloc_buffer((hv, dk, dv), "float32")
-        for h, i, j in T.grid(hv, dk, dv):
-            with T.sblock("delta_state_in"):
-                vh, vi, vj = T.axis.remap("SSS", [h, i, j])
-                old[vh, vi, vj] = state[vh, vi, vj]
         for h, j in T.grid(hv, dv):
             with T.sblock("delta_scan"):  # one state column: S[:, j] of head h
                 vh, vj = T.axis.remap("SS", [h, j])
-                T.reads(old[vh, 0:dk, vj], qk[0:rows, 0:2 * hk * dk], qkv[0:rows, value + vh * dv + vj],
-                        gates[0:rows, vh, 0:2])
+                # the column is read once, then written back: its own, so not a read of the block's inputs
+                T.reads(qk[0:rows, 0:2 * hk * dk], qkv[0:rows, 0:width], gates[0:rows, vh, 0:2])
                 T.writes(state[vh, 0:dk, vj], out[0:rows, vh * dv + vj])
                 col = T.alloc_buffer((dk,), "float32", scope="local")
-                acc = T.alloc_buffer((2,), "float32", scope="local")  # a dot product, the step's decay
+                acc = T.alloc_buffer((2,), "float32", scope="local")
                 for i in range(dk):
-                    col[i] = old[vh, i, vj]
-                for t in range(rows):
-                    acc[0] = T.float32(0)
-                    acc[1] = T.exp(gates[t, vh, 0])
-                    for i in range(dk):
-                        col[i] = col[i] * acc[1]
-                        acc[0] = acc[0] + col[i] * qk[t, key + vh // ratio * dk + i]
-                    acc[0] = (qkv[t, value + vh * dv + vj] - acc[0]) * gates[t, vh, 1]
-                    out[t, vh * dv + vj] = T.float32(0)
-                    for i in range(dk):
-                        col[i] = col[i] + qk[t, key + vh // ratio * dk + i] * acc[0]
-                        out[t, vh * dv + vj] = out[t, vh * dv + vj] + col[i] * qk[t, vh // ratio * dk + i]
+                    col[i] = state[vh, i, vj]
+                scan(col, acc, qk, qkv, gates, out, vh, vj, 0, rows)
                 for i in range(dk):
                     state[vh, i, vj] = col[i]
 
     return func
+
+
+def batch_gated_delta_rule(types, attrs) -> Kernel:
+    """The gated delta rule for a batch: each sequence's tokens in order, from its state slot (zero when it
+    starts at position 0), the final state back to its slot. One (sequence, head, value column) per task."""
+    rows, width = types[1].shape
+    slots, seqs = types[3].shape[0], types[4].shape[0]
+    hk, hv, dk, dv = (attrs[k] for k in ("num_k_heads", "num_v_heads", "k_dim", "v_dim"))
+    scan = _column_scan(hk, hv, dk, dv)
+
+    @T.prim_func(s_tir=True)
+    def func(qk: T.Buffer((rows, 2 * hk * dk), "float32"), qkv: T.Buffer((rows, width), "float32"),
+             gates: T.Buffer((rows, hv, 2), "float32"), pool: T.Buffer((slots, hv, dk, dv), "float32"),
+             seq_start: T.Buffer((seqs,), "int32"), seq_len: T.Buffer((seqs,), "int32"),
+             seq_pos: T.Buffer((seqs,), "int32"), seq_slot: T.Buffer((seqs,), "int32"),
+             out: T.Buffer((rows, hv * dv), "float32")):
+        for r, h, j in T.grid(seqs, hv, dv):
+            with T.sblock("delta_scan"):
+                vr, vh, vj = T.axis.remap("SSS", [r, h, j])
+                # each sequence reads and writes only its own slot's column
+                T.reads(qk[0:rows, 0:2 * hk * dk], qkv[0:rows, 0:width], gates[0:rows, vh, 0:2], seq_start[vr],
+                        seq_len[vr], seq_pos[vr], seq_slot[vr])
+                T.writes(pool[0:slots, vh, 0:dk, vj], out[0:rows, vh * dv + vj])
+                col = T.alloc_buffer((dk,), "float32", scope="local")
+                acc = T.alloc_buffer((2,), "float32", scope="local")
+                if seq_len[vr] > 0:
+                    for i in range(dk):
+                        col[i] = T.if_then_else(seq_pos[vr] > 0, pool[T.max(seq_slot[vr], 0), vh, i, vj], T.float32(0))
+                    scan(col, acc, qk, qkv, gates, out, vh, vj, seq_start[vr], seq_len[vr])
+                    for i in range(dk):
+                        pool[seq_slot[vr], vh, i, vj] = col[i]
+
+    return Kernel(func)
+
+
+def batch_causal_conv1d(types, attrs) -> Kernel:
+    """The causal conv1d + SiLU for a batch: each sequence's tokens in order, its rolling window read from
+    its state slot (zeros when it starts at position 0) and written back. One (sequence, channel) per task."""
+    rows, channels = types[0].shape
+    slots, keep = types[1].shape[:2]
+    wdtype, seqs = types[2].dtype, types[3].shape[0]
+
+    @T.prim_func(s_tir=True)
+    def func(x: T.Buffer((rows, channels), "float32"), pool: T.Buffer((slots, keep, channels), "float32"),
+             w: T.Buffer((channels, 1, keep + 1), wdtype), seq_start: T.Buffer((seqs,), "int32"),
+             seq_len: T.Buffer((seqs,), "int32"), seq_pos: T.Buffer((seqs,), "int32"),
+             seq_slot: T.Buffer((seqs,), "int32"), y: T.Buffer((rows, channels), "float32")):
+        for r, c in T.grid(seqs, channels):
+            with T.sblock("conv_scan"):
+                vr, vc = T.axis.remap("SS", [r, c])
+                # each sequence reads and writes only its own slot's window
+                T.reads(x[0:rows, vc], w[vc, 0, 0:keep + 1], seq_start[vr], seq_len[vr], seq_pos[vr], seq_slot[vr])
+                T.writes(pool[0:slots, 0:keep, vc], y[0:rows, vc])
+                window = T.alloc_buffer((keep,), "float32", scope="local")
+                acc = T.alloc_buffer((1,), "float32", scope="local")
+                if seq_len[vr] > 0:
+                    for k in range(keep):
+                        window[k] = T.if_then_else(seq_pos[vr] > 0, pool[T.max(seq_slot[vr], 0), k, vc], T.float32(0))
+                    for t in range(seq_len[vr]):
+                        acc[0] = T.Cast("float32", w[vc, 0, keep]) * x[seq_start[vr] + t, vc]
+                        for k in range(keep):
+                            acc[0] = acc[0] + T.Cast("float32", w[vc, 0, k]) * window[k]
+                        y[seq_start[vr] + t, vc] = acc[0] * T.sigmoid(acc[0])
+                        for k in range(keep - 1):
+                            window[k] = window[k + 1]
+                        window[keep - 1] = x[seq_start[vr] + t, vc]
+                    for k in range(keep):
+                        pool[seq_slot[vr], k, vc] = window[k]
+
+    return Kernel(func)
+
+
+def gather_pages(types, attrs) -> Kernel:
+    """Each sequence's KV history gathered from its pages into one padded row (the legacy batch path)."""
+    pages, table = _placeholders(types, ["pages", "block_table"])
+    block = int(pages.shape[1])
+    hist = te.compute((table.shape[0], table.shape[1] * block, pages.shape[2]),
+                      lambda r, j, c: pages[tirx.max(table[r, j // block], 0), j % block, c], name="gather_pages")
+    return Kernel(te.create_prim_func([pages, table, hist]))
+
+
+def padded_attention(types, attrs) -> Kernel:
+    q, kh, vh, row_of, pos_of = _placeholders(types, ["q", "k_history", "v_history", "row_of", "pos_of"])
+    out = _attend(q, attrs, kh.shape[1], lambda i, j, c: kh[row_of[i], j, c], lambda i, j, c: vh[row_of[i], j, c],
+                  lambda i, j: j <= pos_of[i])
+    return Kernel(te.create_prim_func([q, kh, vh, row_of, pos_of, out]))
 
 
 def _delta_chunked(rows, hk, hv, dk, dv, width, chunk):
@@ -334,7 +430,6 @@ def _delta_chunked(rows, hk, hv, dk, dv, width, chunk):
     def func(qk: T.Buffer((rows, 2 * hk * dk), "float32"), qkv: T.Buffer((rows, width), "float32"),
              gates: T.Buffer((rows, hv, 2), "float32"), state: T.Buffer((hv, dk, dv), "float32"),
              out: T.Buffer((rows, hv * dv), "float32")):
-        old = T.alloc_buffer((hv, dk, dv), "float32")
         decay = T.alloc_buffer((hv, rows), "float32")  # log decay from the chunk's start, inclusive
         scales = T.alloc_buffer((hv, rows, 2), "float32")  # exp(decay), exp(decay at chunk end - decay)
         kk = T.alloc_buffer((hk, rows, chunk), "float32")  # k_t . k_s, s in t's chunk
@@ -343,10 +438,6 @@ def _delta_chunked(rows, hk, hv, dk, dv, width, chunk):
         attn = T.alloc_buffer((hv, rows, chunk), "float32")  # lower: q_t . k_s decayed from s to t
         w = T.alloc_buffer((hv, rows, dk), "float32")  # (I + A)^-1 (beta k exp(decay)), per chunk
         u = T.alloc_buffer((hv, rows, dv), "float32")  # (I + A)^-1 (beta v), per chunk
-        for h, i, j in T.grid(hv, dk, dv):
-            with T.sblock("delta_state_in"):
-                vh, vi, vj = T.axis.remap("SSS", [h, i, j])
-                old[vh, vi, vj] = state[vh, vi, vj]
         for h, c, r, s in T.grid(hv, rows // chunk, chunk, chunk):
             with T.sblock("delta_decay"):
                 vh, vc, vr, vs = T.axis.remap("SSSR", [h, c, r, s])
@@ -406,13 +497,13 @@ def _delta_chunked(rows, hk, hv, dk, dv, width, chunk):
         for h, j in T.grid(hv, dv):
             with T.sblock("delta_scan"):  # one state column: S[:, j] of head h, one update per chunk
                 vh, vj = T.axis.remap("SS", [h, j])
-                T.reads(old[vh, 0:dk, vj], u[vh, 0:rows, vj], w[vh, 0:rows, 0:dk], qk[0:rows, 0:2 * hk * dk],
-                        scales[vh, 0:rows, 0:2], attn[vh, 0:rows, 0:chunk])
+                T.reads(u[vh, 0:rows, vj], w[vh, 0:rows, 0:dk], qk[0:rows, 0:2 * hk * dk], scales[vh, 0:rows, 0:2],
+                        attn[vh, 0:rows, 0:chunk])  # and its own state column, read once before it is written
                 T.writes(state[vh, 0:dk, vj], out[0:rows, vh * dv + vj])
                 col = T.alloc_buffer((dk,), "float32", scope="local")
                 fresh = T.alloc_buffer((chunk,), "float32", scope="local")
                 for i in range(dk):
-                    col[i] = old[vh, i, vj]
+                    col[i] = state[vh, i, vj]
                 for c in range(rows // chunk):
                     for r in range(chunk):  # the new values: what the state does not already predict
                         fresh[r] = u[vh, c * chunk + r, vj]
@@ -442,7 +533,8 @@ KERNELS = {
     "attention": attention, "kv_append": kv_append, "silu_mul": silu_mul, "add": add, "take_last": take_last,
     "paged_kv_append": paged_kv_append, "paged_attention": paged_attention, "take_rows": take_rows,
     "slice_cols": slice_cols, "sigmoid_mul": sigmoid_mul, "causal_conv1d": causal_conv1d,
-    "delta_inputs": delta_inputs, "gated_delta_rule": gated_delta_rule,
+    "delta_inputs": delta_inputs, "gated_delta_rule": gated_delta_rule, "batch_causal_conv1d": batch_causal_conv1d,
+    "batch_gated_delta_rule": batch_gated_delta_rule, "gather_pages": gather_pages, "padded_attention": padded_attention,
 }
 
 

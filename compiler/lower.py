@@ -15,7 +15,7 @@ import tvm
 from tvm import relax
 from tvm.ir import PrimType
 
-from ir import BLOCK, CONTEXT, OPS, PAGES, PAGES_PER_ROW, ROWS, TOKENS, Graph, Program, TensorType
+from ir import BLOCK, CONTEXT, HISTORY, OPS, PAGES, PAGES_PER_ROW, ROWS, SLOTS, TOKENS, Graph, Program, TensorType
 
 from .kernels import Kernel, make_kernel
 
@@ -42,10 +42,16 @@ class Buckets:
         out = [(f"decode_c{c}", "decode", {CONTEXT: c}) for c in self.context]
         out += [(f"prefill_t{t}_c{c}", "prefill", {TOKENS: t, CONTEXT: c})
                 for c in self.context for t in self.prefill_tokens if t <= c]
-        arena = {PAGES: self.kv_pages, BLOCK: self.kv_block, PAGES_PER_ROW: self.pages_per_row}
-        out += [(f"step_t{t}_r{r}", "step", {TOKENS: t, ROWS: r, **arena})
+        out += [(f"{prefix}_t{t}_r{r}", entry, {TOKENS: t, ROWS: r, **self.arena_dims()})
+                for prefix, entry in (("step", "step"), ("gather", "step_gather"))
                 for t in self.prefill_tokens for r in self.batch_rows if r <= t]
         return out
+
+    def arena_dims(self) -> dict[str, int]:
+        """Bindings of the batched-state dims: KV pages and their size, state slots (one per row of the largest
+        batch), block-table width and the positions it covers."""
+        return {PAGES: self.kv_pages, BLOCK: self.kv_block, PAGES_PER_ROW: self.pages_per_row,
+                HISTORY: self.pages_per_row * self.kv_block, SLOTS: max(self.batch_rows, default=0)}
 
 
 @dataclass(frozen=True)

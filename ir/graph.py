@@ -17,6 +17,8 @@ ROWS = "rows"  # sequences in one batch step
 PAGES = "pages"  # pages in the shared KV arena of batched execution
 BLOCK = "block"  # tokens per KV page
 PAGES_PER_ROW = "pages_per_row"  # block-table width: pages one sequence may hold
+HISTORY = "history"  # positions a block table covers: pages_per_row * block
+SLOTS = "slots"  # recurrent-state slots of batched execution: one per sequence a batch may hold
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .graph import Dim, TensorType
+from .graph import HISTORY, Dim, TensorType
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -132,6 +132,59 @@ def _gated_delta_rule(ins, attrs):
     _check(state == TensorType((hv, dk, dv), "float32"), f"gated_delta_rule state must be float32[{hv}, {dk}, {dv}], "
            f"got {state}")
     return [TensorType((rows, hv * dv), "float32"), state]
+
+
+def _sequences(t: TensorType, rows, what: str) -> None:
+    _check(t.dtype == "int32" and len(t.shape) == 1 and (rows is None or t.shape == (rows,)),
+           f"{what} must be one int32 per sequence, got {t}")
+
+
+def _batch_recurrent(seq: list[TensorType], what: str) -> None:
+    """The per-sequence inputs of a batched recurrent op: first token row, token count, start position, state slot."""
+    for t, name in zip(seq, ("seq_start", "seq_len", "seq_pos", "seq_slot")):
+        _sequences(t, seq[0].shape[0] if len(seq[0].shape) == 1 else None, f"{what} {name}")
+
+
+def _batch_causal_conv1d(ins, attrs):
+    x, pool, w, *seq = ins
+    _check(pool.dtype == "float32" and len(pool.shape) == 3, f"batch_causal_conv1d pool must be float32 "
+           f"[slots, kernel - 1, channels], got {pool}")
+    _causal_conv1d([x, TensorType(pool.shape[1:], "float32"), w, TensorType((), "int32")], attrs)
+    _batch_recurrent(seq, "batch_causal_conv1d")
+    return [x, pool]
+
+
+def _batch_gated_delta_rule(ins, attrs):
+    qk, qkv, gates, pool, *seq = ins
+    _check(pool.dtype == "float32" and len(pool.shape) == 4, f"batch_gated_delta_rule pool must be float32 "
+           f"[slots, v heads, k_dim, v_dim], got {pool}")
+    out, _ = _gated_delta_rule([qk, qkv, gates, TensorType(pool.shape[1:], "float32")], {**attrs, "chunk": 0})
+    _batch_recurrent(seq, "batch_gated_delta_rule")
+    return [out, pool]
+
+
+def _gather_pages(ins, attrs):
+    pages, table = ins
+    _check(pages.dtype == "float32" and len(pages.shape) == 3, f"gather_pages pages must be float32 [pages, block, "
+           f"width], got {pages}")
+    _check(table.dtype == "int32" and len(table.shape) == 2, f"gather_pages block table must be int32[rows, pages], "
+           f"got {table}")
+    rows, width = table.shape
+    length = width * pages.shape[1] if isinstance(width, int) and isinstance(pages.shape[1], int) else HISTORY
+    return [TensorType((rows, length, pages.shape[2]), "float32")]
+
+
+def _padded_attention(ins, attrs):
+    q, k, v, row_of, pos_of = ins
+    for t, what in ((k, "key"), (v, "value")):
+        _check(t.dtype == "float32" and len(t.shape) == 3, f"padded_attention {what} history must be float32 "
+               f"[rows, positions, width], got {t}")
+    _check(k.shape == v.shape, f"padded_attention key {k} and value {v} histories differ")
+    _attention([q, TensorType(k.shape[1:], "float32"), TensorType(v.shape[1:], "float32"), TensorType((), "int32"),
+                TensorType((), "int32")], attrs)
+    for t, what in ((row_of, "row_of"), (pos_of, "pos_of")):
+        _check(t == TensorType((q.shape[0],), "int32"), f"padded_attention {what} must be int32[{q.shape[0]}], got {t}")
+    return [q]
 
 
 def _linear(ins, attrs):
@@ -257,6 +310,10 @@ class OpSpec:
         return self.inplace or (-1,) * outputs
 
 
+SEQUENCE_INPUTS = ("seq_start", "seq_len", "seq_pos", "seq_slot")
+"""Per sequence of a batch: its first token row, its token count, its start position (0: start from a zero
+state), and the slot of its recurrent state."""
+
 OPS: dict[str, OpSpec] = {
     "embedding": OpSpec(("table", "ids"), (), _embedding),
     "rms_norm": OpSpec(("x", "weight"), ("eps",), _rms_norm, optional_attrs=("group", "weight_offset")),
@@ -278,6 +335,14 @@ OPS: dict[str, OpSpec] = {
     "delta_inputs": OpSpec(("qkv", "a", "b", "a_log", "dt_bias", "n"), ("num_k_heads", "k_dim"), _delta_inputs),
     "gated_delta_rule": OpSpec(("qk", "qkv", "gates", "state"), ("num_k_heads", "num_v_heads", "k_dim", "v_dim",
                                                                   "chunk"), _gated_delta_rule, inplace=(-1, 3)),
+    "batch_causal_conv1d": OpSpec(("x", "pool", "weight") + SEQUENCE_INPUTS, (), _batch_causal_conv1d,
+                                  inplace=(-1, 1)),
+    "batch_gated_delta_rule": OpSpec(("qk", "qkv", "gates", "pool") + SEQUENCE_INPUTS,
+                                     ("num_k_heads", "num_v_heads", "k_dim", "v_dim"), _batch_gated_delta_rule,
+                                     inplace=(-1, 3)),
+    "gather_pages": OpSpec(("pages", "block_table"), (), _gather_pages),
+    "padded_attention": OpSpec(("q", "k_history", "v_history", "row_of", "pos_of"),
+                               ("num_heads", "num_kv_heads", "head_dim", "scale"), _padded_attention),
 }
 
 

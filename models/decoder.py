@@ -24,6 +24,7 @@ from ir import (
     fuse_add_rms_norm,
     verify,
 )
+from ir.ops import SEQUENCE_INPUTS
 
 from .config import ConfigReader
 from .rope import inv_freq, read_rope
@@ -133,7 +134,7 @@ def build_decoder_program(c: DecoderConfig, param_dtypes: Mapping[str, str] | No
     dtypes = param_dtypes or {}
     params = {n: Param(n, TensorType(s, dtypes.get(n, c.dtype))) for n, s in checkpoint_shapes(c).items()}
     entries = {name: _entry(c, params, name, tokens) for name, tokens in (("prefill", TOKENS), ("decode", 1))}
-    entries["step"] = _step_entry(c, params)
+    entries |= {"step": _step_entry(c, params, gather=False), "step_gather": _step_entry(c, params, gather=True)}
     meta = {"config": asdict(c)}
     return verify(Program(c.model_type, params, entries, meta))
 
@@ -165,32 +166,56 @@ def logits_head(g: GraphBuilder, c: DecoderConfig, h: str, n: str, tokens, embed
     return g.op("linear", [h, embed if c.tie_word_embeddings else "lm_head.weight"], "logits")
 
 
-def _step_entry(c: DecoderConfig, params: dict[str, Param]):
+def _step_entry(c: DecoderConfig, params: dict[str, Param], gather: bool):
     """Batched execution over a paged KV arena: the tokens of many sequences in one flat row list.
 
     Each token row says its sequence (`row_of`), position (`pos_of`) and KV slot (`slots`, page *
     block + offset, negative for padding); `block_table` maps each sequence's positions to pages;
-    `last` picks each sequence's row whose logits are wanted.
+    `last` picks each sequence's row whose logits are wanted. `gather` builds the legacy path.
     """
-    g = GraphBuilder("step", params)
-    ids = g.input("ids", (TOKENS,), "int32")
-    pos_of, row_of, slots = (g.input(name, (TOKENS,), "int32") for name in ("pos_of", "row_of", "slots"))
-    table = g.input("block_table", (ROWS, PAGES_PER_ROW), "int32")
-    last = g.input("last", (ROWS,), "int32")
+    g = GraphBuilder("step_gather" if gather else "step", params)
+    step = step_inputs(g)
     kv = c.num_key_value_heads * c.head_dim
     arenas = [tuple(g.input(f"{kind}_pages.{i}", (PAGES, BLOCK, kv), "float32") for kind in ("k", "v"))
               for i in range(c.num_hidden_layers)]
-    h = g.op("embedding", ["model.embed_tokens.weight", ids], "embed")
-    for i, (k_pages, v_pages) in enumerate(arenas):
-        def attend(q, k, v, p, k_pages=k_pages, v_pages=v_pages):
-            k_all = g.op("paged_kv_append", [k_pages, k, slots], p + "k_pages")
-            v_all = g.op("paged_kv_append", [v_pages, v, slots], p + "v_pages")
-            return g.op("paged_attention", [q, k_all, v_all, table, row_of, pos_of], p + "attn", **attention_attrs(c))
-        h = _layer(g, c, f"model.layers.{i}.", h, pos_of, attend)
+    h = g.op("embedding", ["model.embed_tokens.weight", step["ids"]], "embed")
+    for i, pages in enumerate(arenas):
+        h = _layer(g, c, f"model.layers.{i}.", h, step["pos_of"], paged_attend(g, c, step, *pages, gather))
     h = g.op("rms_norm", [h, "model.norm.weight"], "final_norm", eps=c.rms_norm_eps)
-    h = g.op("take_rows", [h, last], "last_rows")
-    head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
-    return eliminate_dead_values(fuse_add_rms_norm(g.finish([g.op("linear", [h, head], "logits")])))
+    return eliminate_dead_values(fuse_add_rms_norm(g.finish([batch_logits(g, c, h, step, "model.embed_tokens.weight")])))
+
+
+def step_inputs(g: GraphBuilder, sequences: bool = False) -> dict[str, str]:
+    """The per-token and per-sequence inputs of a batched step (`sequences`: those recurrent ops need too)."""
+    names = {name: g.input(name, (TOKENS,), "int32") for name in ("ids", "pos_of", "row_of", "slots")}
+    names["block_table"] = g.input("block_table", (ROWS, PAGES_PER_ROW), "int32")
+    names["last"] = g.input("last", (ROWS,), "int32")
+    if sequences:
+        names["n"] = g.input("n", (), "int32")
+        names |= {name: g.input(name, (ROWS,), "int32") for name in SEQUENCE_INPUTS}
+    return names
+
+
+def paged_attend(g: GraphBuilder, c: DecoderConfig, step: dict[str, str], k_pages: str, v_pages: str, gather: bool):
+    """attend(q, k, v, prefix) of a batched step: append k/v to the layer's pages, attend over each row's pages
+    (fused), or over its history gathered from them into a padded tensor first (`gather`, the legacy path)."""
+    def attend(q, k, v, p):
+        k_all = g.op("paged_kv_append", [k_pages, k, step["slots"]], p + "k_pages")
+        v_all = g.op("paged_kv_append", [v_pages, v, step["slots"]], p + "v_pages")
+        if not gather:
+            return g.op("paged_attention", [q, k_all, v_all, step["block_table"], step["row_of"], step["pos_of"]],
+                        p + "attn", **attention_attrs(c))
+        k_hist = g.op("gather_pages", [k_all, step["block_table"]], p + "k_history")
+        v_hist = g.op("gather_pages", [v_all, step["block_table"]], p + "v_history")
+        return g.op("padded_attention", [q, k_hist, v_hist, step["row_of"], step["pos_of"]], p + "attn",
+                    **attention_attrs(c))
+    return attend
+
+
+def batch_logits(g: GraphBuilder, c: DecoderConfig, h: str, step: dict[str, str], embed: str) -> str:
+    """Logits of each sequence's last row of the normalised hidden states."""
+    h = g.op("take_rows", [h, step["last"]], "last_rows")
+    return g.op("linear", [h, embed if c.tie_word_embeddings else "lm_head.weight"], "logits")
 
 
 def attention_attrs(c: DecoderConfig) -> dict:

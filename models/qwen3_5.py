@@ -17,12 +17,35 @@ under `model.`) and `qwen3_5` with a `text_config` (the image-text checkpoint, w
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Mapping
 
-from ir import CONTEXT, TOKENS, GraphBuilder, Param, Program, TensorType, eliminate_dead_values, fuse_add_rms_norm, verify
+from ir import (
+    BLOCK,
+    CONTEXT,
+    PAGES,
+    SLOTS,
+    TOKENS,
+    GraphBuilder,
+    Param,
+    Program,
+    TensorType,
+    eliminate_dead_values,
+    fuse_add_rms_norm,
+    verify,
+)
+from ir.ops import SEQUENCE_INPUTS
 
 from .config import ConfigReader
-from .decoder import DecoderConfig, attention_attrs, decoder_fields, logits_head
+from .decoder import (
+    DecoderConfig,
+    attention_attrs,
+    batch_logits,
+    decoder_fields,
+    logits_head,
+    paged_attend,
+    step_inputs,
+)
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 TOP_LEVEL_FALLBACKS = ("torch_dtype", "dtype", "tie_word_embeddings", "eos_token_id", "bos_token_id")
@@ -144,52 +167,86 @@ def checkpoint_shapes(c: Qwen35Config) -> dict[str, tuple[int, ...]]:
 
 
 def build_program(c: Qwen35Config, param_dtypes: Mapping[str, str] | None = None) -> Program:
-    """Prefill and decode graphs; params in `param_dtypes` (default: the config's dtype)."""
+    """Prefill, decode and batched-step graphs (fused and legacy paged attention); params in `param_dtypes`."""
     dtypes = param_dtypes or {}
     params = {n: Param(n, TensorType(s, dtypes.get(n, c.dtype))) for n, s in checkpoint_shapes(c).items()}
     entries = {name: _entry(c, params, name, tokens) for name, tokens in (("prefill", TOKENS), ("decode", 1))}
+    entries |= {"step": _step_entry(c, params, gather=False), "step_gather": _step_entry(c, params, gather=True)}
     return verify(Program(c.model_type, params, entries, {"config": asdict(c)}))
 
 
 def _entry(c: Qwen35Config, params: dict[str, Param], name: str, tokens):
+    """One sequence: a prefill chunk of `tokens` (n of them valid) at position `pos`, or one decode token."""
     g = GraphBuilder(name, params)
     ids = g.input("ids", (tokens,), "int32")
     pos = g.input("pos", (), "int32")
     n = g.input("n", (), "int32")
-    states = []
+    kv = c.num_key_value_heads * c.head_dim
+    mixers = []
     for i, kind in enumerate(c.layer_types):
         if kind == "full_attention":
-            kv = c.num_key_value_heads * c.head_dim
-            states.append([g.input(f"{part}_cache.{i}", (CONTEXT, kv), "float32") for part in ("k", "v")])
+            k_cache, v_cache = (g.input(f"{part}_cache.{i}", (CONTEXT, kv), "float32") for part in ("k", "v"))
+
+            def attend(q, k, v, layer, k_cache=k_cache, v_cache=v_cache):
+                k_all = g.op("kv_append", [k_cache, k, pos, n], layer + "k_cache")
+                v_all = g.op("kv_append", [v_cache, v, pos, n], layer + "v_cache")
+                return g.op("attention", [q, k_all, v_all, pos, n], layer + "attn", **attention_attrs(c))
+            mixers.append(partial(_gated_attention, g, c, pos=pos, attend=attend))
         else:
-            states.append([g.input(f"conv_state.{i}", (c.conv_kernel - 1, c.conv_dim), "float32"),
-                           g.input(f"delta_state.{i}", (c.linear_num_value_heads, c.linear_key_head_dim,
-                                                        c.linear_value_head_dim), "float32")])
+            conv = g.input(f"conv_state.{i}", (c.conv_kernel - 1, c.conv_dim), "float32")
+            delta = g.input(f"delta_state.{i}", (c.linear_num_value_heads, c.linear_key_head_dim,
+                                                 c.linear_value_head_dim), "float32")
+            recurrent = partial(_solo_recurrence, g, c, n, conv, delta, 0 if tokens == 1 else PREFILL_CHUNK)
+            mixers.append(partial(_gated_delta_net, g, c, n=n, recurrence=recurrent))
+    h = _decoder(g, c, ids, mixers)
+    return eliminate_dead_values(fuse_add_rms_norm(g.finish([logits_head(g, c, h, n, tokens,
+                                                                         c.weight_prefix + "embed_tokens.weight")])))
+
+
+def _step_entry(c: Qwen35Config, params: dict[str, Param], gather: bool):
+    """A batch of sequences (see models.decoder's step): KV in a paged arena per attention layer, the conv and
+    recurrent states of linear-attention layers in a pool of per-sequence slots."""
+    g = GraphBuilder("step_gather" if gather else "step", params)
+    step = step_inputs(g, sequences=True)
+    kv = c.num_key_value_heads * c.head_dim
+    seqs = [step[name] for name in SEQUENCE_INPUTS]
+    mixers = []
+    for i, kind in enumerate(c.layer_types):
+        if kind == "full_attention":
+            pages = [g.input(f"{part}_pages.{i}", (PAGES, BLOCK, kv), "float32") for part in ("k", "v")]
+            mixers.append(partial(_gated_attention, g, c, pos=step["pos_of"],
+                                  attend=paged_attend(g, c, step, *pages, gather)))
+        else:
+            conv = g.input(f"conv_pool.{i}", (SLOTS, c.conv_kernel - 1, c.conv_dim), "float32")
+            delta = g.input(f"delta_pool.{i}", (SLOTS, c.linear_num_value_heads, c.linear_key_head_dim,
+                                                c.linear_value_head_dim), "float32")
+            mixers.append(partial(_gated_delta_net, g, c, n=step["n"],
+                                  recurrence=partial(_batch_recurrence, g, c, seqs, conv, delta)))
+    h = _decoder(g, c, step["ids"], mixers)
+    return eliminate_dead_values(fuse_add_rms_norm(g.finish([batch_logits(g, c, h, step,
+                                                                          c.weight_prefix + "embed_tokens.weight")])))
+
+
+def _decoder(g: GraphBuilder, c: Qwen35Config, ids: str, mixers: list) -> str:
+    """Embedding, the layers (each `mixers[i](layer, x)` is layer i's token mixer), the final norm."""
     p = c.weight_prefix
     h = g.op("embedding", [p + "embed_tokens.weight", ids], "embed")
-    chunk = 0 if tokens == 1 else PREFILL_CHUNK
-    for i, (kind, state) in enumerate(zip(c.layer_types, states)):
+    for i, mixer in enumerate(mixers):
         layer = f"{p}layers.{i}."
         x = g.op("rms_norm", [h, layer + "input_layernorm.weight"], layer + "mixer_norm", eps=c.rms_norm_eps,
                  weight_offset=NORM_OFFSET)
-        if kind == "full_attention":
-            mixed = _gated_attention(g, c, layer, x, pos, n, *state)
-        else:
-            mixed = _gated_delta_net(g, c, layer, x, n, *state, chunk)
-        h = g.op("add", [h, mixed], layer + "mixer_res")
+        h = g.op("add", [h, mixer(layer, x)], layer + "mixer_res")
         x = g.op("rms_norm", [h, layer + "post_attention_layernorm.weight"], layer + "mlp_norm", eps=c.rms_norm_eps,
                  weight_offset=NORM_OFFSET)
         gate = g.op("linear", [x, layer + "mlp.gate_proj.weight"], layer + "gate")
         up = g.op("linear", [x, layer + "mlp.up_proj.weight"], layer + "up")
         act = g.op("silu_mul", [gate, up], layer + "act")
         h = g.op("add", [h, g.op("linear", [act, layer + "mlp.down_proj.weight"], layer + "down")], layer + "mlp_res")
-    h = g.op("rms_norm", [h, p + "norm.weight"], "final_norm", eps=c.rms_norm_eps, weight_offset=NORM_OFFSET)
-    logits = logits_head(g, c, h, n, tokens, p + "embed_tokens.weight")
-    return eliminate_dead_values(fuse_add_rms_norm(g.finish([logits])))
+    return g.op("rms_norm", [h, p + "norm.weight"], "final_norm", eps=c.rms_norm_eps, weight_offset=NORM_OFFSET)
 
 
-def _gated_attention(g: GraphBuilder, c: Qwen35Config, layer: str, x: str, pos: str, n: str, k_cache: str,
-                     v_cache: str) -> str:
+def _gated_attention(g: GraphBuilder, c: Qwen35Config, layer: str, x: str, *, pos: str, attend) -> str:
+    """Gated attention; `attend(q, k, v, layer)` stores k/v and attends over the sequence's cache."""
     a, d = layer + "self_attn.", c.head_dim
     q_gate = g.op("linear", [x, a + "q_proj.weight"], layer + "q_gate")
     q = g.op("slice_cols", [q_gate], layer + "q", period=2 * d, offset=0, width=d)
@@ -202,26 +259,42 @@ def _gated_attention(g: GraphBuilder, c: Qwen35Config, layer: str, x: str, pos: 
     rope = {"head_dim": d, "inv_freq": list(c.rope_inv_freq)}
     q = g.op("rope", [q, pos], layer + "q_rot", **rope)
     k = g.op("rope", [k, pos], layer + "k_rot", **rope)
-    k_all = g.op("kv_append", [k_cache, k, pos, n], layer + "k_cache")
-    v_all = g.op("kv_append", [v_cache, v, pos, n], layer + "v_cache")
-    attn = g.op("attention", [q, k_all, v_all, pos, n], layer + "attn", **attention_attrs(c))
-    gated = g.op("sigmoid_mul", [gate, attn], layer + "attn_gated")
+    gated = g.op("sigmoid_mul", [gate, attend(q, k, v, layer)], layer + "attn_gated")
     return g.op("linear", [gated, a + "o_proj.weight"], layer + "attn_out")
 
 
-def _gated_delta_net(g: GraphBuilder, c: Qwen35Config, layer: str, x: str, n: str, conv_state: str,
-                     delta_state: str, chunk: int) -> str:
+def _gated_delta_net(g: GraphBuilder, c: Qwen35Config, layer: str, x: str, *, n: str, recurrence) -> str:
+    """Gated DeltaNet; `recurrence(layer, what, qkv, prepare)` runs the conv and the delta rule over the states."""
     a = layer + "linear_attn."
     qkv = g.op("linear", [x, a + "in_proj_qkv.weight"], layer + "qkv")
     z = g.op("linear", [x, a + "in_proj_z.weight"], layer + "z")
     b = g.op("linear", [x, a + "in_proj_b.weight"], layer + "b")
     a_in = g.op("linear", [x, a + "in_proj_a.weight"], layer + "a")
-    mixed, _ = g.op("causal_conv1d", [qkv, conv_state, a + "conv1d.weight", n], layer + "conv")
-    heads = {"num_k_heads": c.linear_num_key_heads, "k_dim": c.linear_key_head_dim}
-    qk, gates = g.op("delta_inputs", [mixed, a_in, b, a + "A_log", a + "dt_bias", n], layer + "delta_in", **heads)
-    core, _ = g.op("gated_delta_rule", [qk, mixed, gates, delta_state], layer + "delta",
-                   num_v_heads=c.linear_num_value_heads, v_dim=c.linear_value_head_dim, chunk=chunk, **heads)
+
+    def prepare(mixed):  # normalised q/k and the gates of the delta rule
+        return g.op("delta_inputs", [mixed, a_in, b, a + "A_log", a + "dt_bias", n], layer + "delta_in",
+                    num_k_heads=c.linear_num_key_heads, k_dim=c.linear_key_head_dim)
+    core = recurrence(layer, a, qkv, prepare)
     normed = g.op("rms_norm", [core, a + "norm.weight"], layer + "delta_normed", eps=c.rms_norm_eps,
                   group=c.linear_value_head_dim)
     gated = g.op("silu_mul", [z, normed], layer + "delta_gated")
     return g.op("linear", [gated, a + "out_proj.weight"], layer + "delta_out")
+
+
+def _delta_attrs(c: Qwen35Config) -> dict:
+    return {"num_k_heads": c.linear_num_key_heads, "num_v_heads": c.linear_num_value_heads,
+            "k_dim": c.linear_key_head_dim, "v_dim": c.linear_value_head_dim}
+
+
+def _solo_recurrence(g, c, n, conv_state, delta_state, chunk, layer, a, qkv, prepare) -> str:
+    mixed, _ = g.op("causal_conv1d", [qkv, conv_state, a + "conv1d.weight", n], layer + "conv")
+    qk, gates = prepare(mixed)
+    core, _ = g.op("gated_delta_rule", [qk, mixed, gates, delta_state], layer + "delta", chunk=chunk, **_delta_attrs(c))
+    return core
+
+
+def _batch_recurrence(g, c, seqs, conv_pool, delta_pool, layer, a, qkv, prepare) -> str:
+    mixed, _ = g.op("batch_causal_conv1d", [qkv, conv_pool, a + "conv1d.weight", *seqs], layer + "conv")
+    qk, gates = prepare(mixed)
+    core, _ = g.op("batch_gated_delta_rule", [qk, mixed, gates, delta_pool, *seqs], layer + "delta", **_delta_attrs(c))
+    return core

@@ -36,9 +36,13 @@ class BatchExecutor:
             raise GenerationError(f"{batch_config} exceeds the artifact's batch steps (rows up to {b['batch_rows'][-1]}, "
                                   f"tokens up to {b['prefill_tokens'][-1]}); rebuild with larger --batch-rows / "
                                   "--prefill-buckets")
-        self.scheduler = ContinuousBatchScheduler(batch_config, kv_config, default_eos_token_ids)
-        self.arena = model.new_arena()
+        recurrent = any("_pool." in e["name"] for e in model.manifest["batch_state"])  # per-sequence recurrent states
+        self.scheduler = ContinuousBatchScheduler(batch_config, kv_config, default_eos_token_ids,
+                                                  share_prefixes=not recurrent)
+        self.cache = model.new_batch_cache()
         self._requests: dict[RequestId, tuple[list[int], TokenPicker]] = {}
+        self._slot_of: dict[RequestId, int] = {}
+        self._free_slots = list(range(batch_config.max_active_sequences))
 
     def submit(self, prompt_token_ids: Sequence[int], generation: GreedyGenerationConfig) -> RequestId:
         """Queue a request; returns its id."""
@@ -55,9 +59,10 @@ class BatchExecutor:
             return []
         try:
             for src, dst in batch.copies:
-                self.model.copy_page(self.arena, src, dst)
-            rows = [(seq.token_ids, seq.start_position, seq.page_table) for seq in batch.sequences]
-            logits = self.model.step(rows, self.arena)
+                self.model.copy_page(self.cache, src, dst)
+            rows = [(seq.token_ids, seq.start_position, seq.page_table, self._slot(seq.request_id))
+                    for seq in batch.sequences]
+            logits = self.model.step(rows, self.cache)
         except Exception:
             self.scheduler.fail_batch(batch.id)
             raise
@@ -73,7 +78,23 @@ class BatchExecutor:
         finished = self.scheduler.pop_finished()
         for request in finished:
             del self._requests[request.request_id]
+            self._release_slot(request.request_id)
         return finished
+
+    def _slot(self, request_id: RequestId) -> int:
+        """The request's recurrent-state slot (kept while it runs; a preempted request restarts from position 0,
+        so its slot may go to another request meanwhile)."""
+        if request_id not in self._slot_of:
+            if not self._free_slots:
+                running = set(self.scheduler.running_request_ids())
+                for stale in [r for r in self._slot_of if r not in running]:
+                    self._release_slot(stale)
+            self._slot_of[request_id] = self._free_slots.pop()
+        return self._slot_of[request_id]
+
+    def _release_slot(self, request_id: RequestId) -> None:
+        if request_id in self._slot_of:
+            self._free_slots.append(self._slot_of.pop(request_id))
 
     def run(self) -> Iterator[FinishedRequest]:
         """Run batches until every submitted request has finished, yielding each as it finishes."""

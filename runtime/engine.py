@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +21,30 @@ from .cpu import missing_host_features, use_all_cores
 from .weights import load_tensors
 
 TARGETS = {"cpu": "llvm", "cuda": "cuda"}
+PAGED_ATTENTION_ENV = "RUDA_PAGED_ATTENTION"
+ATTENTION_PATHS = {"fused": "step", "legacy": "gather"}  # RUDA_PAGED_ATTENTION -> batched step functions
 use_all_cores()
 
 
 class GenerationError(RudaError):
     """A request the loaded model cannot serve (too long for its buckets, ids out of range)."""
+
+
+@dataclass
+class BatchCache:
+    """Batched-execution state: KV pages of attention layers, recurrent-state slots of linear-attention layers."""
+
+    names: list[str]
+    tensors: list[tvm.runtime.Tensor]
+    attention: str
+    """'fused' (paged attention reads the page tables) or 'legacy' (each row's history gathered first)."""
+    valid: bool = True
+
+    def check(self) -> None:
+        """Raise if a failed step has made this cache unusable."""
+        if not self.valid:
+            raise GenerationError("this batch cache is unusable after a failed step (its state may be half-written); "
+                                  "create a new one with new_batch_cache()")
 
 
 @dataclass
@@ -150,46 +170,70 @@ class CompiledModel:
                                   f"{build_command(self.model_dir, self.target)} --batch-rows 1,4,16)")
         return b
 
-    def new_arena(self) -> list[tvm.runtime.Tensor]:
-        """The paged KV arena of batched execution: keys and values of every layer, all pages."""
-        b = self.batch_layout()
-        shape = (b["kv_pages"], b["kv_block"], self.manifest["kv_width"])
-        return [tvm.runtime.empty(shape, "float32", self.device) for _ in range(2 * self.manifest["num_layers"])]
+    def new_batch_cache(self) -> "BatchCache":
+        """The state of batched execution: KV pages of every attention layer (all pages reserved now) and the
+        recurrent-state slots of linear-attention layers. Its attention path comes from RUDA_PAGED_ATTENTION now."""
+        self.batch_layout()
+        choice = os.environ.get(PAGED_ATTENTION_ENV) or "legacy"
+        if choice not in ATTENTION_PATHS:
+            raise GenerationError(f"{PAGED_ATTENTION_ENV}={choice!r} is not valid; use 'fused' (paged attention over "
+                                  "the KV arena) or 'legacy' (history gathered first), or leave it unset (legacy)")
+        names = [entry["name"] for entry in self.manifest["batch_state"]]
+        tensors = [tvm.runtime.empty(tuple(e["shape"]), e["dtype"], self.device) for e in self.manifest["batch_state"]]
+        return BatchCache(names, tensors, choice)
 
-    def copy_page(self, arena: list[tvm.runtime.Tensor], src: int, dst: int) -> None:
-        """Copy one page of every layer's keys and values (copy-on-write of a shared prefix page)."""
-        for tensor in arena:
-            data = tensor.numpy()
-            data[dst] = data[src]
-            tensor.copyfrom(data)
+    def copy_page(self, cache: "BatchCache", src: int, dst: int) -> None:
+        """Copy one KV page of every attention layer (copy-on-write of a shared prefix page)."""
+        cache.check()
+        for name, tensor in zip(cache.names, cache.tensors):
+            if name.startswith(("k_pages.", "v_pages.")):
+                data = tensor.numpy()
+                data[dst] = data[src]
+                tensor.copyfrom(data)
 
-    def step(self, rows: list[tuple[list[int], int, list[int]]], arena: list[tvm.runtime.Tensor]) -> np.ndarray:
-        """Run one batch: each row is (new token ids, start position, page table); logits after each row's last token."""
+    def step(self, rows: list[tuple[list[int], int, list[int], int]], cache: "BatchCache") -> np.ndarray:
+        """Run one batch: each row is (new token ids, start position, page table, state slot); logits after each
+        row's last token. A failed step leaves the cache unusable."""
+        cache.check()
         b = self.manifest["buckets"]
         block, width = b["kv_block"], b["pages_per_row"]
-        total = sum(len(ids) for ids, _, _ in rows)
+        total = sum(len(ids) for ids, *_ in rows)
         row_bucket = next((r for r in b["batch_rows"] if r >= len(rows)), None)
         tokens = next((t for t in b["prefill_tokens"] if t >= max(total, row_bucket or 0)), None)
         if tokens is None or row_bucket is None:
             raise GenerationError(f"a batch of {len(rows)} sequences and {total} tokens exceeds the built batch steps "
                                   f"(rows {b['batch_rows']}, tokens {b['prefill_tokens']})")
+        bad_slot = [slot for *_, slot in rows if not 0 <= slot < b["batch_rows"][-1]]
+        if bad_slot:
+            raise GenerationError(f"state slots {bad_slot} are outside 0..{b['batch_rows'][-1] - 1}")
         ids, pos_of, row_of = (np.zeros(tokens, np.int32) for _ in range(3))
         slots = np.full(tokens, -1, np.int32)
         table = np.full((row_bucket, width), -1, np.int32)
-        last = np.zeros(row_bucket, np.int32)
+        last, seq_start, seq_len, seq_pos = (np.zeros(row_bucket, np.int32) for _ in range(4))
+        seq_slot = np.full(row_bucket, -1, np.int32)
         at = 0
-        for r, (new, start, pages) in enumerate(rows):
+        for r, (new, start, pages, slot) in enumerate(rows):
             positions = np.arange(start, start + len(new))
             page_ids = np.asarray(pages, np.int32)
             ids[at:at + len(new)], pos_of[at:at + len(new)], row_of[at:at + len(new)] = new, positions, r
             slots[at:at + len(new)] = page_ids[positions // block] * block + positions % block
             table[r, :len(pages)] = page_ids
+            seq_start[r], seq_len[r], seq_pos[r], seq_slot[r] = at, len(new), start, slot
             at += len(new)
             last[r] = at - 1
         if (ids >= self.config.vocab_size).any() or (ids < 0).any():
             raise GenerationError(f"token ids are outside the vocabulary (0..{self.config.vocab_size - 1})")
-        inputs = [tvm.runtime.tensor(a, self.device) for a in (ids, pos_of, row_of, slots, table, last)]
-        out = self._functions[f"step_t{tokens}_r{row_bucket}"](*inputs, *arena, self._params)
+        values = {"ids": ids, "pos_of": pos_of, "row_of": row_of, "slots": slots, "block_table": table, "last": last,
+                  "n": total, "seq_start": seq_start, "seq_len": seq_len, "seq_pos": seq_pos, "seq_slot": seq_slot}
+        inputs = [v if isinstance(v, int) else tvm.runtime.tensor(v, self.device)
+                  for v in (values[name] for name in self.manifest["step_inputs"])]
+        function = f"{ATTENTION_PATHS[cache.attention]}_t{tokens}_r{row_bucket}"
+        try:
+            out = self._functions[function](*inputs, *cache.tensors, self._params)
+        except Exception as e:
+            cache.valid = False
+            raise GenerationError(f"the batched step failed ({e}); its KV pages and states may be half-written, so "
+                                  "this batch cache can no longer be used: create a new one with new_batch_cache()") from e
         return out.numpy()[:len(rows)]
 
     def _run(self, function: str, ids: list[int], padded: int, cache: KVCache) -> np.ndarray:

@@ -262,17 +262,19 @@ class ContinuousBatchScheduler:
     sequence not yet in the batch is preempted (possibly the one asking): its pages are freed and it goes back to the
     front of the waiting queue with its generated tokens, to be recomputed (prompt + generated, in chunks) later.
     New admissions never preempt; they wait for free pages. No request is dropped: one that could not fit in the
-    pool alone is rejected at submit.
+    pool alone is rejected at submit. `share_prefixes=False` turns prefix sharing off (every request computes its
+    whole prompt), for models whose per-sequence state is more than KV pages (recurrent layers).
     """
 
     def __init__(self, batch_config: ContinuousBatchConfig, kv_config: PagedKvCacheConfig,
-                 default_eos_token_ids: Iterable[int] = ()):
+                 default_eos_token_ids: Iterable[int] = (), share_prefixes: bool = True):
         if not isinstance(batch_config, ContinuousBatchConfig):
             raise SchedulerError(f"batch_config must be a ContinuousBatchConfig, got {type(batch_config).__name__}")
         if not isinstance(kv_config, PagedKvCacheConfig):
             raise SchedulerError(f"kv_config must be a PagedKvCacheConfig, got {type(kv_config).__name__}")
         self._batch_config = batch_config
         self._kv_config = kv_config
+        self._share_prefixes = share_prefixes  # off for models whose state is more than the KV pages
         self._default_eos = frozenset(_token_ids(default_eos_token_ids, "default_eos_token_ids"))
         self._pool = _PagePool(kv_config.num_pages)
         self._running: dict[_Request, None] = {}  # admission order
@@ -287,6 +289,10 @@ class ContinuousBatchScheduler:
     def num_pages(self) -> int:
         """The size of the page pool."""
         return self._kv_config.num_pages
+
+    def running_request_ids(self) -> list[RequestId]:
+        """The admitted, not preempted, unfinished requests, in admission order."""
+        return [request.id for request in self._running]
 
     @property
     def free_pages(self) -> int:
@@ -429,7 +435,8 @@ class ContinuousBatchScheduler:
         """Admit waiting requests in FIFO order while slots, token budget and free pages allow."""
         while self._waiting and draft.budget and len(self._running) < self._batch_config.max_active_sequences:
             request = self._waiting[0]
-            self._attach_cached_prefix(request)
+            if self._share_prefixes:
+                self._attach_cached_prefix(request)
             if not self._place(draft, request, None):
                 self._release_pages(request)
                 return

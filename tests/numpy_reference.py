@@ -154,3 +154,42 @@ def gated_delta_rule(qk, qkv, gates, state, num_k_heads, num_v_heads, k_dim, v_d
             s[h] += np.outer(k[t, kh], delta)
             out[t, h] = q[t, kh] @ s[h]
     return out.reshape(rows, -1).astype(np.float32), s.astype(np.float32)
+
+
+def _batch_recurrent(one, inputs, pool, seqs):
+    """Run `one(rows_of_inputs, state) -> (out, state)` per sequence (start, count, pos, slot) of a batch."""
+    pool = pool.copy()
+    outs = {}
+    for start, count, pos, slot in zip(*seqs):
+        if count == 0:
+            continue
+        state = pool[slot] if pos > 0 else np.zeros_like(pool[slot])
+        y, pool[slot] = one([x[start:start + count] for x in inputs], state)
+        outs[start] = y
+    width = next(iter(outs.values())).shape[1]
+    out = np.zeros((inputs[0].shape[0], width), np.float32)
+    for start, y in outs.items():
+        out[start:start + len(y)] = y
+    return out, pool
+
+
+def batch_causal_conv1d(x, pool, w, *seqs):
+    return _batch_recurrent(lambda ins, s: causal_conv1d(ins[0], s, w, len(ins[0])), [x], pool, seqs)
+
+
+def batch_gated_delta_rule(qk, qkv, gates, pool, *seqs, num_k_heads, num_v_heads, k_dim, v_dim):
+    return _batch_recurrent(lambda ins, s: gated_delta_rule(*ins, s, num_k_heads, num_v_heads, k_dim, v_dim),
+                            [qk, qkv, gates], pool, seqs)
+
+
+def gather_pages(pages, table):
+    block = pages.shape[1]
+    return np.stack([np.concatenate([pages[max(p, 0)] for p in row]) for row in table])[:, :table.shape[1] * block]
+
+
+def padded_attention(q, k_hist, v_hist, row_of, pos_of, **attrs):
+    out = np.zeros_like(q)
+    for t in range(q.shape[0]):
+        ctx = pos_of[t] + 1
+        out[t] = attention(q[t:t + 1], k_hist[row_of[t], :ctx], v_hist[row_of[t], :ctx], ctx - 1, 1, **attrs)[0]
+    return out

@@ -32,6 +32,13 @@ def model(tmp_path_factory):
     return _batched_model(tmp_path_factory.mktemp("batch"), "qwen2")
 
 
+@pytest.fixture(params=["fused", "legacy"])
+def attention_path(request, monkeypatch):
+    """Run the test with each batched attention path (RUDA_PAGED_ATTENTION, read when a batch cache is made)."""
+    monkeypatch.setenv("RUDA_PAGED_ATTENTION", request.param)
+    return request.param
+
+
 def test_llama_batches_equal_solo_runs(tmp_path):
     llama = _batched_model(tmp_path, "llama")
     prompts = _prompts(12, llama.config.vocab_size, seed=7)
@@ -55,7 +62,7 @@ def _run_all(executor, prompts, configs):
     return [out[i] for i in range(len(prompts))]
 
 
-def test_32_concurrent_requests_equal_solo_runs(model):
+def test_32_concurrent_requests_equal_solo_runs(model, attention_path):
     prompts = _prompts(32, model.config.vocab_size)
     configs = [GreedyGenerationConfig(int(n), eos_token_ids=[]) for n in np.random.default_rng(1).integers(1, 20, 32)]
     executor = BatchExecutor(model, ContinuousBatchConfig(max_active_sequences=8, max_batch_tokens=32))
@@ -64,7 +71,7 @@ def test_32_concurrent_requests_equal_solo_runs(model):
         assert finished.finish_reason == "length"
 
 
-def test_preemption_under_a_tiny_page_budget_keeps_every_token(model):
+def test_preemption_under_a_tiny_page_budget_keeps_every_token(model, attention_path):
     prompts = _prompts(32, model.config.vocab_size, seed=2)
     configs = [GreedyGenerationConfig(16, eos_token_ids=[]) for _ in prompts]
     executor = BatchExecutor(model, ContinuousBatchConfig(4, 16), PagedKvCacheConfig(8, 12, 64))
@@ -72,7 +79,7 @@ def test_preemption_under_a_tiny_page_budget_keeps_every_token(model):
         assert finished.generated_token_ids == generate(model, prompt, config).generated_token_ids
 
 
-def test_shared_prefixes_give_solo_tokens(model):
+def test_shared_prefixes_give_solo_tokens(model, attention_path):
     prefix = [int(t) for t in np.random.default_rng(3).integers(0, model.config.vocab_size, 16)]
     prompts = [prefix + [5], prefix + [9, 11], prefix, prefix + [5]]
     configs = [GreedyGenerationConfig(8, eos_token_ids=[]) for _ in prompts]

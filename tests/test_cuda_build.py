@@ -183,6 +183,11 @@ OP_SAMPLES = {
                      {"num_k_heads": 2, "k_dim": 16}),
     "gated_delta_rule": ([_t((8, 64)), _t((8, 96)), _t((8, 4, 2)), _t((4, 16, 8))],
                          {"num_k_heads": 2, "num_v_heads": 4, "k_dim": 16, "v_dim": 8, "chunk": 4}),
+    "batch_causal_conv1d": ([_t((8, 96)), _t((4, 3, 96)), _t((96, 1, 4), "bfloat16")] + [_t((3,), "int32")] * 4, {}),
+    "batch_gated_delta_rule": ([_t((8, 64)), _t((8, 96)), _t((8, 4, 2)), _t((4, 4, 16, 8))] + [_t((3,), "int32")] * 4,
+                               {"num_k_heads": 2, "num_v_heads": 4, "k_dim": 16, "v_dim": 8}),
+    "gather_pages": ([_t((8, 4, 32)), _t((2, 3), "int32")], {}),
+    "padded_attention": ([_t((4, 64)), _t((2, 12, 32)), _t((2, 12, 32)), _t((4,), "int32"), _t((4,), "int32")], ATTN),
 }
 RECURRENT = {**OP_SAMPLES["gated_delta_rule"][1], "chunk": 0}
 GPU_CASES = [(kind, *OP_SAMPLES[kind]) for kind in sorted(OP_SAMPLES)] + [

@@ -13,6 +13,7 @@ from ir import (
     OPS,
     PAGES_PER_ROW,
     ROWS,
+    SLOTS,
     TOKENS,
     Graph,
     GraphBuilder,
@@ -136,7 +137,7 @@ def test_builder_rejects_undefined_and_duplicate_values():
 def test_model_programs_verify(arch):
     p = _program(arch)
     assert verify(p) is p
-    assert set(p.entries) == {"prefill", "decode", "step"}
+    assert set(p.entries) == {"prefill", "decode", "step", "step_gather"}
     cfg = models.parse_config(RAW[arch])
     assert set(p.params) == set(models.checkpoint_shapes(cfg))
     for name, shape in models.checkpoint_shapes(cfg).items():
@@ -157,6 +158,9 @@ def test_model_programs_verify(arch):
     step_kinds = [op.kind for op in step.ops]
     assert step_kinds.count("paged_kv_append") == 2 * cfg.num_hidden_layers
     assert step_kinds.count("paged_attention") == cfg.num_hidden_layers
+    gather_kinds = [op.kind for op in p.entries["step_gather"].ops]  # the legacy path: history gathered, then attended
+    assert gather_kinds.count("gather_pages") == 2 * cfg.num_hidden_layers
+    assert gather_kinds.count("padded_attention") == cfg.num_hidden_layers and "paged_attention" not in gather_kinds
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -316,6 +320,14 @@ GOOD = {
                      [_t(TOKENS, 8), _t(TOKENS, 2, 2)]),
     "gated_delta_rule": ([_t(TOKENS, 8), _t(TOKENS, 14), _t(TOKENS, 2, 2), _t(2, 2, 3)], DELTA,
                          [_t(TOKENS, 6), _t(2, 2, 3)]),
+    "batch_causal_conv1d": ([X, _t(SLOTS, 3, HIDDEN), _t(HIDDEN, 1, 4), *[_t(ROWS, dtype=I32)] * 4], {},
+                            [X, _t(SLOTS, 3, HIDDEN)]),
+    "batch_gated_delta_rule": ([_t(TOKENS, 8), _t(TOKENS, 14), _t(TOKENS, 2, 2), _t(SLOTS, 2, 2, 3),
+                                *[_t(ROWS, dtype=I32)] * 4], {k: v for k, v in DELTA.items() if k != "chunk"},
+                               [_t(TOKENS, 6), _t(SLOTS, 2, 2, 3)]),
+    "gather_pages": ([_t(9, 4, KV), _t(ROWS, 3, dtype=I32)], {}, [_t(ROWS, 12, KV)]),
+    "padded_attention": ([X, _t(ROWS, 12, KV), _t(ROWS, 12, KV), _t(TOKENS, dtype=I32), _t(TOKENS, dtype=I32)], ATTN,
+                         [X]),
 }
 
 
@@ -391,6 +403,16 @@ BAD = [
     ("gated_delta_rule gates", _with("gated_delta_rule", 2, _t(TOKENS, 2))),
     ("gated_delta_rule state", _with("gated_delta_rule", 3, _t(2, 3, 2))),
     ("gated_delta_rule chunk", ("gated_delta_rule", GOOD["gated_delta_rule"][0], {**DELTA, "chunk": -1})),
+    ("batch_causal_conv1d pool rank", _with("batch_causal_conv1d", 1, _t(3, HIDDEN))),
+    ("batch_causal_conv1d seq_len float", _with("batch_causal_conv1d", 4, _t(ROWS))),
+    ("batch_causal_conv1d seq lengths differ", _with("batch_causal_conv1d", 6, _t(2, dtype=I32))),
+    ("batch_gated_delta_rule pool", _with("batch_gated_delta_rule", 3, _t(SLOTS, 2, 3, 2))),
+    ("batch_gated_delta_rule seq_slot rank", _with("batch_gated_delta_rule", 7, _t(ROWS, 1, dtype=I32))),
+    ("gather_pages table float", _with("gather_pages", 1, _t(ROWS, 3))),
+    ("gather_pages pages rank", _with("gather_pages", 0, _t(9, KV))),
+    ("padded_attention histories differ", _with("padded_attention", 2, _t(ROWS, 8, KV))),
+    ("padded_attention history width", _with("padded_attention", 1, _t(ROWS, 12, KV + 1))),
+    ("padded_attention pos_of length", _with("padded_attention", 4, _t(2, dtype=I32))),
 ]
 
 
@@ -442,7 +464,7 @@ def test_printer_shows_params_entries_ops_and_abbreviates_long_attrs():
                                                                      "linear", "rope", "kv_append", "attention",
                                                                      "silu_mul", "add", "take_last",
                                                                      "paged_kv_append", "paged_attention",
-                                                                     "take_rows"}
+                                                                     "take_rows", "gather_pages", "padded_attention"}
     for kind in {op.kind for g in p.entries.values() for op in g.ops}:
         assert f"= {kind}(" in text
     inv_freq = p.entries["prefill"].ops[[op.kind for op in p.entries["prefill"].ops].index("rope")].attrs["inv_freq"]
@@ -451,7 +473,7 @@ def test_printer_shows_params_entries_ops_and_abbreviates_long_attrs():
     assert repr(inv_freq[-1]) not in text
     assert "eps=1e-05" in text and "num_heads=4" in text
     assert "@model.embed_tokens.weight" in text and "%ids" in text  # params and values are marked apart
-    assert text.count("return %logits") == len(p.entries) == 3
+    assert text.count("return %logits") == len(p.entries) == 4
 
 
 def test_printer_keeps_short_lists():

@@ -222,3 +222,45 @@ def test_gated_delta_rule_recurrent_and_chunked_match_the_recurrence(chunk, rows
     want_out, want_state = ref.gated_delta_rule(qk, qkv, gates, state, hk, hv, dk, dv)
     close(out[:n], want_out[:n], tol=1e-4)
     close(new_state, want_state, tol=1e-4)
+
+
+# Three sequences of a batch over 9 token rows (the last one padding): a decode token of a sequence at
+# position 7 (slot 2), a 5-token prefill starting a new sequence (slot 0: its old state must be ignored), a
+# 2-token prefill chunk continuing at position 4 (slot 3), and a padding sequence (no tokens).
+SEQS = [np.array(v, dtype=np.int32) for v in ([0, 1, 6, 8], [1, 5, 2, 0], [7, 0, 4, 0], [2, 0, 3, 1])]
+
+
+def test_batch_causal_conv1d_runs_each_sequence_from_its_slot():
+    x, pool, w = rand(9, 40), rand(4, 3, 40), rand(40, 1, 4, dtype="bfloat16")
+    y, new_pool = run_kernel("batch_causal_conv1d", [x, pool, w, *SEQS], {})
+    want_y, want_pool = ref.batch_causal_conv1d(x, pool, w, *SEQS)
+    close(y[:8], want_y[:8], tol=1e-4)
+    close(new_pool, want_pool)
+
+
+def test_batch_gated_delta_rule_runs_each_sequence_from_its_slot():
+    hk, hv, dk, dv = 2, 4, 16, 16
+    qkv, a, b, a_log, dt_bias, _ = _delta_case(9, 8, hk, hv, dk, dv, seed=3)
+    qk, gates = ref.delta_inputs(qkv, a, b, a_log, dt_bias, 8, hk, dk)
+    pool = (RNG.standard_normal((4, hv, dk, dv)) * 0.5).astype(np.float32)
+    attrs = {"num_k_heads": hk, "num_v_heads": hv, "k_dim": dk, "v_dim": dv}
+    out, new_pool = run_kernel("batch_gated_delta_rule", [qk, qkv, gates, pool, *SEQS], attrs)
+    want_out, want_pool = ref.batch_gated_delta_rule(qk, qkv, gates, pool, *SEQS, **attrs)
+    close(out[:8], want_out[:8], tol=1e-4)
+    close(new_pool, want_pool, tol=1e-4)
+
+
+def test_gather_pages_then_padded_attention_equals_paged_attention():
+    heads, kv_heads, head_dim, block = 4, 2, 16, 4
+    k_pages, v_pages = rand(9, block, kv_heads * head_dim), rand(9, block, kv_heads * head_dim)
+    table = np.array([[3, 7, 1], [5, -1, -1], [0, 2, 8]], dtype=np.int32)
+    row_of = np.array([0, 1, 1, 1, 1, 2], dtype=np.int32)
+    pos_of = np.array([10, 0, 1, 2, 3, 8], dtype=np.int32)
+    q = rand(6, heads * head_dim)
+    attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "scale": head_dim ** -0.5}
+    k_hist = run_kernel("gather_pages", [k_pages, table], {})[0]
+    v_hist = run_kernel("gather_pages", [v_pages, table], {})[0]
+    close(k_hist, ref.gather_pages(k_pages, table))
+    got = run_kernel("padded_attention", [q, k_hist, v_hist, row_of, pos_of], attrs)[0]
+    close(got, ref.padded_attention(q, k_hist, v_hist, row_of, pos_of, **attrs), tol=1e-4)
+    close(got, ref.paged_attention(q, k_pages, v_pages, table, row_of, pos_of, **attrs), tol=1e-4)

@@ -79,14 +79,6 @@ def test_top_level_fields_fill_in_for_the_text_config():
     assert parsed.tie_word_embeddings and parsed.weight_prefix == "model.language_model."
 
 
-def test_batched_build_is_refused_with_the_reason(tiny_factory, tmp_path):
-    from compiler.build import BuildError, build
-    model_dir, _ = tiny_factory(arch="qwen3_5_text", num_hidden_layers=2)
-    with pytest.raises(BuildError, match="batched steps are not available for qwen3_5_text yet"):
-        build(model_dir, out=tmp_path / "a", batch_rows=(1, 4), quiet=True)
-    assert not (tmp_path / "a").exists()
-
-
 def test_generate_cli_defaults_to_8_new_tokens(tmp_path):
     write_tiny_checkpoint(tmp_path / "models" / "qwen35", arch="qwen3_5", num_hidden_layers=2)
     built = run("compiler", "build", "models/qwen35", "--prefill-buckets", "8", "--context-buckets", "32", cwd=tmp_path)

@@ -1,0 +1,100 @@
+"""Qwen3.5 under continuous batching: KV pages for attention layers, per-sequence state slots for linear
+layers, both attention paths (RUDA_PAGED_ATTENTION fused / legacy); every request gets its solo tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_batching import BATCH_BUILD, _prompts, _run_all
+
+from compiler.build import build
+from models.tiny import write_tiny_checkpoint
+from runtime import (
+    BatchExecutor,
+    CompiledModel,
+    ContinuousBatchConfig,
+    GenerationError,
+    GreedyGenerationConfig,
+    PagedKvCacheConfig,
+    SamplingConfig,
+    SamplingGenerationConfig,
+    generate,
+)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen35-batch")
+    model_dir = write_tiny_checkpoint(root / "model", arch="qwen3_5", dtype="bfloat16", seed=5, num_hidden_layers=4,
+                                      layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                   "full_attention"])
+    return CompiledModel(model_dir, build(model_dir, out=root / "artifact", quiet=True, **BATCH_BUILD).path)
+
+
+@pytest.fixture(params=["fused", "legacy"])
+def attention_path(request, monkeypatch):
+    monkeypatch.setenv("RUDA_PAGED_ATTENTION", request.param)
+    return request.param
+
+
+def _assert_solo(model, executor, prompts, configs):
+    for prompt, config, finished in zip(prompts, configs, _run_all(executor, prompts, configs)):
+        assert finished.generated_token_ids == generate(model, prompt, config).generated_token_ids
+
+
+def test_concurrent_requests_with_chunked_prefill_equal_solo_runs(model, attention_path):
+    prompts = _prompts(16, model.config.vocab_size, seed=11)  # up to 29 tokens: prefills span several 16-token steps
+    configs = [GreedyGenerationConfig(int(n), eos_token_ids=[]) for n in np.random.default_rng(4).integers(1, 16, 16)]
+    executor = BatchExecutor(model, ContinuousBatchConfig(max_active_sequences=8, max_batch_tokens=16))
+    assert executor.cache.attention == attention_path
+    _assert_solo(model, executor, prompts, configs)
+
+
+def test_preemption_recomputes_the_recurrent_state(model, attention_path):
+    prompts = _prompts(12, model.config.vocab_size, seed=2)
+    configs = [GreedyGenerationConfig(16, eos_token_ids=[]) for _ in prompts]
+    executor = BatchExecutor(model, ContinuousBatchConfig(4, 16), PagedKvCacheConfig(8, 10, 64))
+    _assert_solo(model, executor, prompts, configs)
+
+
+def test_shared_prefixes_are_computed_not_shared(model, attention_path):
+    """KV pages alone do not hold a linear layer's state, so a cached prefix is never reused: same tokens as solo."""
+    prefix = [int(t) for t in np.random.default_rng(3).integers(0, model.config.vocab_size, 16)]
+    prompts = [prefix + [5], prefix, prefix + [9, 11], prefix]
+    _assert_solo(model, BatchExecutor(model, ContinuousBatchConfig(4, 32)), prompts,
+                 [GreedyGenerationConfig(8, eos_token_ids=[]) for _ in prompts])
+
+
+def test_sampled_requests_keep_their_seeded_streams(model):
+    prompts = _prompts(4, model.config.vocab_size, seed=8)
+    configs = [SamplingGenerationConfig(10, eos_token_ids=[], sampling=SamplingConfig(0.9, 20, 0.95, seed=i))
+               for i in range(4)]
+    _assert_solo(model, BatchExecutor(model, ContinuousBatchConfig(4, 16)), prompts, configs)
+
+
+def test_attention_path_is_fixed_when_the_cache_is_made(model, monkeypatch):
+    monkeypatch.delenv("RUDA_PAGED_ATTENTION", raising=False)
+    cache = model.new_batch_cache()
+    assert cache.attention == "legacy"
+    monkeypatch.setenv("RUDA_PAGED_ATTENTION", "fused")
+    assert cache.attention == "legacy" and model.new_batch_cache().attention == "fused"
+    monkeypatch.setenv("RUDA_PAGED_ATTENTION", "flash")
+    with pytest.raises(GenerationError, match="RUDA_PAGED_ATTENTION='flash' is not valid; use 'fused'"):
+        model.new_batch_cache()
+
+
+def test_a_failed_step_makes_the_cache_unusable(model, monkeypatch):
+    cache = model.new_batch_cache()
+    row = ([1, 2, 3], 0, [0], 0)
+    before = model.step([row], cache)
+
+    def broken(*args):
+        raise RuntimeError("device append failed")
+
+    monkeypatch.setitem(model._functions, "gather_t8_r1", broken)
+    with pytest.raises(GenerationError, match="create a new one with new_batch_cache"):
+        model.step([row], cache)
+    monkeypatch.undo()
+    with pytest.raises(GenerationError, match="unusable after a failed step"):
+        model.step([row], cache)
+    np.testing.assert_array_equal(model.step([row], model.new_batch_cache()), before)
