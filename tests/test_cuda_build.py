@@ -220,11 +220,14 @@ def test_every_op_compiles_to_ptx_through_the_direct_path(kind, types, attrs, tm
     assert len(re.findall(r"Compiling entry function", assembled.stderr)) == len(names) >= 1
 
 
-def test_batched_steps_build_for_cuda(checkpoints, tmp_path):
-    out = _build(checkpoints["qwen2"], tmp_path / "artifact", batch_rows=(1, 4), kv_pages=32, kv_block=8).path
+@pytest.mark.parametrize("arch_name", ["qwen2", "qwen3_5"])
+def test_batched_steps_build_for_cuda(checkpoints, tmp_path, arch_name):
+    out = _build(checkpoints[arch_name], tmp_path / "artifact", batch_rows=(1, 4), kv_pages=32, kv_block=8).path
     manifest = json.loads((out / "manifest.json").read_text())
-    assert "step_t16_r4" in manifest["functions"]
-    assert any(k.startswith("paged_attention_") for k in manifest["kernels"])
+    assert {"step_t16_r4", "gather_t16_r4"} <= set(manifest["functions"])
+    kinds = {"paged_attention", "gather_pages", "padded_attention"} | (
+        {"batch_causal_conv1d", "batch_gated_delta_rule"} if arch_name == "qwen3_5" else set())
+    assert all(any(k.startswith(kind + "_") for k in manifest["kernels"]) for kind in kinds)
     assembled = subprocess.run(["ptxas", "-arch=sm_90", str(out / "kernels.ptx"), "-o", "/dev/null"],
                                capture_output=True, text=True)
     assert assembled.returncode == 0, assembled.stderr
