@@ -155,7 +155,8 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
         return BuildResult(out, True, time.perf_counter() - start)
 
     progress = (lambda it: it) if quiet else (lambda it: tqdm(it, desc="scheduling kernels", unit="kernel"))
-    module = lower_program(program, buckets, _scheduler(tgt), progress)
+    scan_lanes = tgt.lanes if isinstance(tgt, CpuTarget) else 1
+    module = lower_program(program, buckets, _scheduler(tgt), progress, scan_lanes)
     if not quiet:
         print(f"compiling {len(manifest['kernels'])} kernels and {len(manifest['functions'])} step functions "
               f"for {_describe(tgt)}...", flush=True)

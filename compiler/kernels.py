@@ -279,60 +279,69 @@ def gated_delta_rule(types, attrs) -> Kernel:
     `delta_inputs`: S = S * exp(g); S += k (beta (v - S^T k))^T; out = S^T q. `chunk` 0 runs that
     recurrence token by token; `chunk` C > 0 the equivalent chunked form over chunks of
     gcd(C, tokens) tokens: an in-chunk triangular solve, then one state update per chunk. Each
-    (head, value column) is independent, so that is the parallel axis of both forms.
+    (head, value column) is independent, so that is the parallel axis of both forms; each task
+    takes `scan_lanes` neighbouring columns (see make_kernel).
     """
     rows = types[0].shape[0]
     hk, hv, dk, dv = (attrs[k] for k in ("num_k_heads", "num_v_heads", "k_dim", "v_dim"))
+    lanes = math.gcd(attrs["scan_lanes"], dk, dv)
     if attrs["chunk"] == 0:
-        return Kernel(_delta_recurrent(rows, hk, hv, dk, dv, types[1].shape[1]))
-    return Kernel(_delta_chunked(rows, hk, hv, dk, dv, types[1].shape[1], math.gcd(rows, attrs["chunk"])))
+        return Kernel(_delta_recurrent(rows, hk, hv, dk, dv, types[1].shape[1], lanes))
+    return Kernel(_delta_chunked(rows, hk, hv, dk, dv, types[1].shape[1], math.gcd(rows, attrs["chunk"]), lanes))
 
 
-def _column_scan(hk, hv, dk, dv):
-    """The recurrence for one state column (value column j of head h) over `count` token rows from `first`.
+def _column_scan(hk, hv, dk, dv, lanes):
+    """The recurrence for `lanes` state columns (value columns j0.. of head h) over `count` token rows from `first`.
 
-    `col` holds S[:, j] (k_dim values), `acc` two scalars; both are the caller's local buffers.
+    `col` holds S[:, j0:j0 + lanes] ([k_dim, lanes]), `acc` [2, lanes] and `decay` one scalar: the caller's
+    local buffers. The innermost loops run over the lanes, which are independent: they vectorise.
     """
     ratio, key, value = hv // hk, hk * dk, 2 * hk * dk
 
     @T.macro
-    def scan(col, acc, qk, qkv, gates, out, vh, vj, first, count):
+    def scan(col, acc, decay, qk, qkv, gates, out, vh, j0, first, count):
         for t in range(count):
-            acc[0] = T.float32(0)
-            acc[1] = T.exp(gates[first + t, vh, 0])
+            decay[0] = T.exp(gates[first + t, vh, 0])
+            for jj in range(lanes):
+                acc[0, jj] = T.float32(0)
             for i in range(dk):
-                col[i] = col[i] * acc[1]
-                acc[0] = acc[0] + col[i] * qk[first + t, key + vh // ratio * dk + i]
-            acc[0] = (qkv[first + t, value + vh * dv + vj] - acc[0]) * gates[first + t, vh, 1]
-            out[first + t, vh * dv + vj] = T.float32(0)
+                for jj in range(lanes):
+                    col[i, jj] = col[i, jj] * decay[0]
+                    acc[0, jj] = acc[0, jj] + col[i, jj] * qk[first + t, key + vh // ratio * dk + i]
+            for jj in range(lanes):
+                acc[0, jj] = (qkv[first + t, value + vh * dv + j0 + jj] - acc[0, jj]) * gates[first + t, vh, 1]
+                acc[1, jj] = T.float32(0)
             for i in range(dk):
-                col[i] = col[i] + qk[first + t, key + vh // ratio * dk + i] * acc[0]
-                out[first + t, vh * dv + vj] = out[first + t, vh * dv + vj] + col[i] * qk[
-                    first + t, vh // ratio * dk + i]
+                for jj in range(lanes):
+                    col[i, jj] = col[i, jj] + qk[first + t, key + vh // ratio * dk + i] * acc[0, jj]
+                    acc[1, jj] = acc[1, jj] + col[i, jj] * qk[first + t, vh // ratio * dk + i]
+            for jj in range(lanes):
+                out[first + t, vh * dv + j0 + jj] = acc[1, jj]
 
     return scan
 
 
-def _delta_recurrent(rows, hk, hv, dk, dv, width):
-    scan = _column_scan(hk, hv, dk, dv)
+def _delta_recurrent(rows, hk, hv, dk, dv, width, lanes):
+    scan = _column_scan(hk, hv, dk, dv, lanes)
 
     @T.prim_func(s_tir=True)
     def func(qk: T.Buffer((rows, 2 * hk * dk), "float32"), qkv: T.Buffer((rows, width), "float32"),
              gates: T.Buffer((rows, hv, 2), "float32"), state: T.Buffer((hv, dk, dv), "float32"),
              out: T.Buffer((rows, hv * dv), "float32")):
-        for h, j in T.grid(hv, dv):
-            with T.sblock("delta_scan"):  # one state column: S[:, j] of head h
+        for h, j in T.grid(hv, dv // lanes):
+            with T.sblock("delta_scan"):  # state columns j * lanes.. of head h
                 vh, vj = T.axis.remap("SS", [h, j])
-                # the column is read once, then written back: its own, so not a read of the block's inputs
+                # its own state columns are read once, then written back: not a read of the block's inputs
                 T.reads(qk[0:rows, 0:2 * hk * dk], qkv[0:rows, 0:width], gates[0:rows, vh, 0:2])
-                T.writes(state[vh, 0:dk, vj], out[0:rows, vh * dv + vj])
-                col = T.alloc_buffer((dk,), "float32", scope="local")
-                acc = T.alloc_buffer((2,), "float32", scope="local")
-                for i in range(dk):
-                    col[i] = state[vh, i, vj]
-                scan(col, acc, qk, qkv, gates, out, vh, vj, 0, rows)
-                for i in range(dk):
-                    state[vh, i, vj] = col[i]
+                T.writes(state[vh, 0:dk, vj * lanes:vj * lanes + lanes], out[0:rows, vh * dv:vh * dv + dv])
+                col = T.alloc_buffer((dk, lanes), "float32", scope="local")
+                acc = T.alloc_buffer((2, lanes), "float32", scope="local")
+                decay = T.alloc_buffer((1,), "float32", scope="local")
+                for i, jj in T.grid(dk, lanes):
+                    col[i, jj] = state[vh, i, vj * lanes + jj]
+                scan(col, acc, decay, qk, qkv, gates, out, vh, vj * lanes, 0, rows)
+                for i, jj in T.grid(dk, lanes):
+                    state[vh, i, vj * lanes + jj] = col[i, jj]
 
     return func
 
@@ -343,7 +352,8 @@ def batch_gated_delta_rule(types, attrs) -> Kernel:
     rows, width = types[1].shape
     slots, seqs = types[3].shape[0], types[4].shape[0]
     hk, hv, dk, dv = (attrs[k] for k in ("num_k_heads", "num_v_heads", "k_dim", "v_dim"))
-    scan = _column_scan(hk, hv, dk, dv)
+    lanes = math.gcd(attrs["scan_lanes"], dk, dv)
+    scan = _column_scan(hk, hv, dk, dv, lanes)
 
     @T.prim_func(s_tir=True)
     def func(qk: T.Buffer((rows, 2 * hk * dk), "float32"), qkv: T.Buffer((rows, width), "float32"),
@@ -351,21 +361,23 @@ def batch_gated_delta_rule(types, attrs) -> Kernel:
              seq_start: T.Buffer((seqs,), "int32"), seq_len: T.Buffer((seqs,), "int32"),
              seq_pos: T.Buffer((seqs,), "int32"), seq_slot: T.Buffer((seqs,), "int32"),
              out: T.Buffer((rows, hv * dv), "float32")):
-        for r, h, j in T.grid(seqs, hv, dv):
+        for r, h, j in T.grid(seqs, hv, dv // lanes):
             with T.sblock("delta_scan"):
                 vr, vh, vj = T.axis.remap("SSS", [r, h, j])
-                # each sequence reads and writes only its own slot's column
+                # each sequence reads and writes only its own slot's columns
                 T.reads(qk[0:rows, 0:2 * hk * dk], qkv[0:rows, 0:width], gates[0:rows, vh, 0:2], seq_start[vr],
                         seq_len[vr], seq_pos[vr], seq_slot[vr])
-                T.writes(pool[0:slots, vh, 0:dk, vj], out[0:rows, vh * dv + vj])
-                col = T.alloc_buffer((dk,), "float32", scope="local")
-                acc = T.alloc_buffer((2,), "float32", scope="local")
+                T.writes(pool[0:slots, vh, 0:dk, vj * lanes:vj * lanes + lanes], out[0:rows, vh * dv:vh * dv + dv])
+                col = T.alloc_buffer((dk, lanes), "float32", scope="local")
+                acc = T.alloc_buffer((2, lanes), "float32", scope="local")
+                decay = T.alloc_buffer((1,), "float32", scope="local")
                 if seq_len[vr] > 0:
-                    for i in range(dk):
-                        col[i] = T.if_then_else(seq_pos[vr] > 0, pool[T.max(seq_slot[vr], 0), vh, i, vj], T.float32(0))
-                    scan(col, acc, qk, qkv, gates, out, vh, vj, seq_start[vr], seq_len[vr])
-                    for i in range(dk):
-                        pool[seq_slot[vr], vh, i, vj] = col[i]
+                    for i, jj in T.grid(dk, lanes):
+                        col[i, jj] = T.if_then_else(seq_pos[vr] > 0, pool[T.max(seq_slot[vr], 0), vh, i, vj * lanes + jj],
+                                                    T.float32(0))
+                    scan(col, acc, decay, qk, qkv, gates, out, vh, vj * lanes, seq_start[vr], seq_len[vr])
+                    for i, jj in T.grid(dk, lanes):
+                        pool[seq_slot[vr], vh, i, vj * lanes + jj] = col[i, jj]
 
     return Kernel(func)
 
@@ -423,7 +435,7 @@ def padded_attention(types, attrs) -> Kernel:
     return Kernel(te.create_prim_func([q, kh, vh, row_of, pos_of, out]))
 
 
-def _delta_chunked(rows, hk, hv, dk, dv, width, chunk):
+def _delta_chunked(rows, hk, hv, dk, dv, width, chunk, lanes):
     ratio, key, value = hv // hk, hk * dk, 2 * hk * dk
 
     @T.prim_func(s_tir=True)
@@ -475,55 +487,68 @@ def _delta_chunked(rows, hk, hv, dk, dv, width, chunk):
                 vh, vc, vr, vs = T.axis.remap("SSSS", [h, c, r, s])
                 attn[vh, vc * chunk + vr, vs] = T.if_then_else(vs <= vr, qk_dot[vh // ratio, vc * chunk + vr, vs] * T.exp(
                     decay[vh, vc * chunk + vr] - decay[vh, vc * chunk + vs]), T.float32(0))
-        for h, c, e in T.grid(hv, rows // chunk, dk + dv):
-            with T.sblock("delta_solve"):  # forward substitution for one right-hand-side column (of k, then of v)
+        for h, c, e in T.grid(hv, rows // chunk, (dk + dv) // lanes):
+            with T.sblock("delta_solve"):  # forward substitution for `lanes` right-hand-side columns (of k, then v)
                 vh, vc, ve = T.axis.remap("SSS", [h, c, e])
                 T.reads(gates[vc * chunk:vc * chunk + chunk, vh, 0:2], qk[vc * chunk:vc * chunk + chunk, 0:2 * hk * dk],
                         qkv[vc * chunk:vc * chunk + chunk, 0:width], scales[vh, vc * chunk:vc * chunk + chunk, 0:2],
                         a_mat[vh, vc * chunk:vc * chunk + chunk, 0:chunk])
                 T.writes(w[vh, vc * chunk:vc * chunk + chunk, 0:dk], u[vh, vc * chunk:vc * chunk + chunk, 0:dv])
-                x = T.alloc_buffer((chunk,), "float32", scope="local")
+                x = T.alloc_buffer((chunk, lanes), "float32", scope="local")
                 for r in range(chunk):
-                    t = vc * chunk + r
-                    x[r] = gates[t, vh, 1] * T.if_then_else(ve < dk, qk[t, key + vh // ratio * dk + T.min(ve, dk - 1)]
-                                                            * scales[vh, t, 0], qkv[t, value + vh * dv + T.max(ve - dk, 0)])
+                    for jj in range(lanes):
+                        x[r, jj] = gates[vc * chunk + r, vh, 1] * T.if_then_else(
+                            ve * lanes < dk, qk[vc * chunk + r, key + vh // ratio * dk + T.min(ve * lanes + jj, dk - 1)]
+                            * scales[vh, vc * chunk + r, 0],
+                            qkv[vc * chunk + r, value + vh * dv + T.max(ve * lanes + jj - dk, 0)])
                     for s in range(r):
-                        x[r] = x[r] - a_mat[vh, t, s] * x[s]
-                for r in range(chunk):
-                    if ve < dk:
-                        w[vh, vc * chunk + r, ve] = x[r]
+                        for jj in range(lanes):
+                            x[r, jj] = x[r, jj] - a_mat[vh, vc * chunk + r, s] * x[s, jj]
+                for r, jj in T.grid(chunk, lanes):
+                    if ve * lanes < dk:
+                        w[vh, vc * chunk + r, ve * lanes + jj] = x[r, jj]
                     else:
-                        u[vh, vc * chunk + r, ve - dk] = x[r]
-        for h, j in T.grid(hv, dv):
-            with T.sblock("delta_scan"):  # one state column: S[:, j] of head h, one update per chunk
+                        u[vh, vc * chunk + r, ve * lanes + jj - dk] = x[r, jj]
+        for h, j in T.grid(hv, dv // lanes):
+            with T.sblock("delta_scan"):  # state columns j * lanes.. of head h, one update per chunk
                 vh, vj = T.axis.remap("SS", [h, j])
-                T.reads(u[vh, 0:rows, vj], w[vh, 0:rows, 0:dk], qk[0:rows, 0:2 * hk * dk], scales[vh, 0:rows, 0:2],
-                        attn[vh, 0:rows, 0:chunk])  # and its own state column, read once before it is written
-                T.writes(state[vh, 0:dk, vj], out[0:rows, vh * dv + vj])
-                col = T.alloc_buffer((dk,), "float32", scope="local")
-                fresh = T.alloc_buffer((chunk,), "float32", scope="local")
-                for i in range(dk):
-                    col[i] = state[vh, i, vj]
+                T.reads(u[vh, 0:rows, vj * lanes:vj * lanes + lanes], w[vh, 0:rows, 0:dk], qk[0:rows, 0:2 * hk * dk],
+                        scales[vh, 0:rows, 0:2], attn[vh, 0:rows, 0:chunk])  # and its own state columns, read first
+                T.writes(state[vh, 0:dk, vj * lanes:vj * lanes + lanes], out[0:rows, vh * dv:vh * dv + dv])
+                col = T.alloc_buffer((dk, lanes), "float32", scope="local")
+                fresh = T.alloc_buffer((chunk, lanes), "float32", scope="local")
+                acc = T.alloc_buffer((lanes,), "float32", scope="local")
+                for i, jj in T.grid(dk, lanes):
+                    col[i, jj] = state[vh, i, vj * lanes + jj]
                 for c in range(rows // chunk):
                     for r in range(chunk):  # the new values: what the state does not already predict
-                        fresh[r] = u[vh, c * chunk + r, vj]
+                        for jj in range(lanes):
+                            fresh[r, jj] = u[vh, c * chunk + r, vj * lanes + jj]
                         for i in range(dk):
-                            fresh[r] = fresh[r] - w[vh, c * chunk + r, i] * col[i]
+                            for jj in range(lanes):
+                                fresh[r, jj] = fresh[r, jj] - w[vh, c * chunk + r, i] * col[i, jj]
                     for r in range(chunk):
-                        t = c * chunk + r
-                        out[t, vh * dv + vj] = T.float32(0)
+                        for jj in range(lanes):
+                            acc[jj] = T.float32(0)
                         for i in range(dk):
-                            out[t, vh * dv + vj] = out[t, vh * dv + vj] + qk[t, vh // ratio * dk + i] * col[i]
-                        out[t, vh * dv + vj] = out[t, vh * dv + vj] * scales[vh, t, 0]
+                            for jj in range(lanes):
+                                acc[jj] = acc[jj] + qk[c * chunk + r, vh // ratio * dk + i] * col[i, jj]
+                        for jj in range(lanes):
+                            acc[jj] = acc[jj] * scales[vh, c * chunk + r, 0]
                         for s in range(r + 1):
-                            out[t, vh * dv + vj] = out[t, vh * dv + vj] + attn[vh, t, s] * fresh[s]
+                            for jj in range(lanes):
+                                acc[jj] = acc[jj] + attn[vh, c * chunk + r, s] * fresh[s, jj]
+                        for jj in range(lanes):
+                            out[c * chunk + r, vh * dv + vj * lanes + jj] = acc[jj]
                     for i in range(dk):
-                        col[i] = col[i] * scales[vh, c * chunk + chunk - 1, 0]
+                        for jj in range(lanes):
+                            col[i, jj] = col[i, jj] * scales[vh, c * chunk + chunk - 1, 0]
                         for r in range(chunk):
-                            col[i] = col[i] + qk[c * chunk + r, key + vh // ratio * dk + i] * scales[
-                                vh, c * chunk + r, 1] * fresh[r]
-                for i in range(dk):
-                    state[vh, i, vj] = col[i]
+                            for jj in range(lanes):
+                                col[i, jj] = col[i, jj] + qk[c * chunk + r, key + vh // ratio * dk + i] * scales[
+                                    vh, c * chunk + r, 1] * fresh[r, jj]
+                for i, jj in T.grid(dk, lanes):
+                    state[vh, i, vj * lanes + jj] = col[i, jj]
 
     return func
 
@@ -538,9 +563,13 @@ KERNELS = {
 }
 
 
-def make_kernel(kind: str, types: list[TensorType], attrs: dict) -> Kernel:
-    """The unscheduled kernel for one op signature (all dims concrete)."""
-    kernel = KERNELS[kind](types, attrs)
+def make_kernel(kind: str, types: list[TensorType], attrs: dict, scan_lanes: int = 1) -> Kernel:
+    """The unscheduled kernel for one op signature (all dims concrete).
+
+    `scan_lanes`: how many independent columns one task of a sequential scan (the delta rule) carries in its
+    innermost loops: the target's SIMD width on a CPU, 1 on a GPU (a thread per column).
+    """
+    kernel = KERNELS[kind](types, {**attrs, "scan_lanes": scan_lanes})
     kernel.func = kernel.func.with_attr("tirx.noalias", True)
     return kernel
 

@@ -23,7 +23,7 @@ NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes
 def run_kernel(kind: str, inputs: list, attrs: dict) -> list[np.ndarray]:
     """Compile `kind` for these inputs (arrays, or ints for scalars) and return its outputs."""
     types = [TensorType((), "int32") if isinstance(x, int) else TensorType(x.shape, str(x.dtype)) for x in inputs]
-    kernel = make_kernel(kind, types, attrs)
+    kernel = make_kernel(kind, types, attrs, TARGET.lanes)
     func = cpu.schedule(kernel.func, kind, TARGET.lanes)
     lib = tvm.compile(func, TARGET.tvm_target())
     dev = tvm.cpu()
