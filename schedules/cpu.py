@@ -46,10 +46,19 @@ def _generic(sch: s_tir.Schedule, lanes: int) -> None:
 
 
 def _linear(sch: s_tir.Schedule, lanes: int) -> None:
-    """GEMV/GEMM: tiles of output rows x columns across cores; each dot product accumulates `lanes`
-    partial sums in registers, so one loaded activation vector serves every column of the tile and
-    one loaded weight vector every row."""
+    """Matrix products: a GEMM schedule when the rows fill whole SIMD vectors (prefill), else a GEMV one."""
     block = sch.get_sblock("matmul")
+    rows = static_extent(sch, sch.get_loops(block)[0])
+    if rows % lanes == 0:
+        _gemm(sch, block, lanes)
+    else:
+        _gemv(sch, block, lanes)
+
+
+def _gemv(sch: s_tir.Schedule, block, lanes: int) -> None:
+    """Tiles of output rows x columns across cores; each dot product accumulates `lanes` partial sums in
+    registers, so one loaded activation vector serves every column of the tile and one loaded weight
+    vector every row."""
     i, j, k = sch.get_loops(block)
     rows, cols, depth = static_extent(sch, i), static_extent(sch, j), static_extent(sch, k)
     if depth % lanes:
@@ -57,8 +66,8 @@ def _linear(sch: s_tir.Schedule, lanes: int) -> None:
         return
     tile_rows = next(t for t in (2, 1) if rows % t == 0)
     tile_cols = next(t for t in (4, 1) if cols % t == 0)
-    i_outer, _ = sch.split(i, [None, tile_rows])
-    j_outer, _ = sch.split(j, [None, tile_cols])
+    sch.split(i, [None, tile_rows])
+    sch.split(j, [None, tile_cols])
     _, k_lane = sch.split(k, [None, lanes])
     partial = sch.rfactor(k_lane, factor_axis=0)
     p_io, p_ii, p_jo, p_ji, p_ko, p_ki = sch.get_loops(partial)
@@ -72,6 +81,70 @@ def _linear(sch: s_tir.Schedule, lanes: int) -> None:
     for consumer in sch.get_consumers(block):
         sch.reverse_compute_at(consumer, tiles)
     sch.decompose_reduction(partial, p_ko)
+
+
+GEMM_MAX_DEPTH_BLOCK = 1024  # reduction steps per pass over the activations, so a pass stays in L2
+GEMM_MIN_TASKS = 8  # column blocks per product at least, to spread over the cores
+
+
+def _gemm(sch: s_tir.Schedule, block, lanes: int) -> None:
+    """Register-blocked GEMM: a task is a block of output columns that every token row passes over.
+
+    Each step multiplies vectors of consecutive rows (of a transposed copy of x) by one broadcast weight
+    per column, so no horizontal sums; the task's weights, widened once per depth block, stay in cache
+    for all rows, and the [columns, rows] accumulators stay in registers across a depth block.
+    """
+    i, j, k = sch.get_loops(block)
+    rows, cols, depth = (static_extent(sch, loop) for loop in (i, j, k))
+    accumulators = 16 if lanes >= 16 else 8  # half the SIMD registers: AVX-512 has 32, AVX2 16
+    row_vecs = 2 if rows % (2 * lanes) == 0 else 1
+    tile_rows = row_vecs * lanes
+    tile_cols = next(t for t in (16, 8, 4, 2, 1) if t * row_vecs <= accumulators and cols % t == 0)
+    task_cols = next((t for t in (64, 32, 16) if cols % t == 0 and t % tile_cols == 0
+                      and cols // t >= GEMM_MIN_TASKS), tile_cols)
+    depth_block = depth
+    while depth_block > GEMM_MAX_DEPTH_BLOCK and depth_block % 2 == 0:
+        depth_block //= 2
+    i_tile, i_vec, i_lane = sch.split(i, [None, row_vecs, lanes])
+    j_task, j_tile, j_col = sch.split(j, [None, task_cols // tile_cols, tile_cols])
+    k_block, k_step = sch.split(k, [None, depth_block])
+    sch.reorder(j_task, k_block, j_tile, i_tile, k_step, i_vec, j_col, i_lane)
+    sch.parallel(j_task)
+    sch.unroll(i_vec)
+    sch.unroll(j_col)
+    sch.vectorize(i_lane)
+    out = sch.cache_write(block, 0, "local")
+    sch.transform_layout(block, ("write", 0), lambda r, c: (c, r))
+    sch.reverse_compute_at(out, j_task)
+    for consumer in sch.get_consumers(out):
+        sch.reverse_compute_at(consumer, j_task)
+    _transposed_activations(sch, block, tile_rows, lanes)
+    if sch.get(block).reads[1].source.dtype == "bfloat16":
+        _widened_weights(sch, block, k_block, lanes)
+    sch.decompose_reduction(block, k_block)
+
+
+def _transposed_activations(sch: s_tir.Schedule, block, tile_rows: int, lanes: int) -> None:
+    """Copy x to [rows / tile_rows, depth, tile_rows], lanes x lanes at a time: one stream per row tile."""
+    copy = sch.cache_read(block, 0, "global")
+    sch.transform_layout(block, ("read", 0), lambda r, d: (r // tile_rows, d, r % tile_rows))
+    r, d = sch.get_loops(copy)
+    r_outer, r_inner = sch.split(r, [None, lanes])
+    d_outer, d_inner = sch.split(d, [None, lanes])
+    sch.reorder(d_outer, r_outer, r_inner, d_inner)
+    sch.parallel(d_outer)
+    sch.unroll(r_inner)
+    sch.vectorize(d_inner)
+
+
+def _widened_weights(sch: s_tir.Schedule, block, k_block, lanes: int) -> None:
+    """Widen a task's bfloat16 weights to float32 once per depth block, for every row to reuse."""
+    # The product then reads float32(bfloat16(w)) of a float32 w that bfloat16 holds exactly; TVM's bfloat16
+    # legalisation drops that round trip, leaving a plain float32 load. (float16 has no such pass: not widened.)
+    copy = sch.cache_read(block, 1, "global")
+    sch.compute_at(copy, k_block)
+    sch.unsafe_set_dtype(copy, 0, "float32")
+    sch.vectorize(sch.split(sch.get_loops(copy)[-1], [None, lanes])[1])
 
 
 def _norm(sch: s_tir.Schedule, lanes: int) -> None:

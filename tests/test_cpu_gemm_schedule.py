@@ -1,0 +1,43 @@
+"""The CPU linear schedules (GEMM for prefill, GEMV otherwise) at shapes that do and do not divide their tiles."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+
+from compiler.kernels import make_kernel
+from compiler.target import cpu_target
+from ir import TensorType
+from schedules import cpu
+
+TARGET = cpu_target()
+RNG = np.random.default_rng(1)
+NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """Run the scheduled linear kernel on these arrays."""
+    inputs = [x, w] + ([bias] if bias is not None else [])
+    kernel = make_kernel("linear", [TensorType(a.shape, str(a.dtype)) for a in inputs], {})
+    lib = tvm.compile(cpu.schedule(kernel.func, "linear", TARGET.lanes), TARGET.tvm_target())
+    dev = tvm.cpu()
+    out = tvm.runtime.empty((x.shape[0], w.shape[0]), "float32", dev)
+    lib["main"](*[tvm.runtime.tensor(a, dev) for a in inputs], out)
+    return out.numpy()
+
+
+@pytest.mark.parametrize("rows,depth,cols", [
+    (1, 48, 20), (3, 40, 24), (17, 64, 36), (16, 40, 20), (16, 64, 128), (32, 56, 72), (48, 40, 8),
+    (64, 2176, 96), (128, 96, 1088), (32, 24, 3),
+])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_numpy(rows, depth, cols, dtype, bias):
+    x = RNG.standard_normal((rows, depth)).astype(np.float32)
+    w = (RNG.standard_normal((cols, depth)) * depth ** -0.5).astype(NP_DTYPES[dtype])
+    b = RNG.standard_normal(cols).astype(NP_DTYPES[dtype]) if bias else None
+    want = x.astype(np.float64) @ w.astype(np.float64).T + (b.astype(np.float64) if bias else 0)
+    got = linear(x, w, b)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
