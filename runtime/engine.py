@@ -183,13 +183,15 @@ class CompiledModel:
         return BatchCache(names, tensors, choice)
 
     def copy_page(self, cache: "BatchCache", src: int, dst: int) -> None:
-        """Copy one KV page of every attention layer (copy-on-write of a shared prefix page)."""
+        """Copy one KV page of every attention layer (copy-on-write of a shared prefix page), on the device."""
         cache.check()
         for name, tensor in zip(cache.names, cache.tensors):
             if name.startswith(("k_pages.", "v_pages.")):
-                data = tensor.numpy()
-                data[dst] = data[src]
-                tensor.copyfrom(data)
+                page_shape = tuple(tensor.shape[1:])
+                page_bytes = int(np.prod(page_shape)) * np.dtype(tensor.dtype).itemsize
+                views = [tensor._create_view(page_shape, tensor.dtype, relative_byte_offset=p * page_bytes)
+                         for p in (src, dst)]
+                views[0].copyto(views[1])
 
     def step(self, rows: list[tuple[list[int], int, list[int], int]], cache: "BatchCache") -> np.ndarray:
         """Run one batch: each row is (new token ids, start position, page table, state slot); logits after each

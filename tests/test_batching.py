@@ -141,3 +141,15 @@ def test_generate_cli_serves_a_file_of_prompts(model, tmp_path):
     both = subprocess.run([sys.executable, "-m", "runtime.generate", str(model.model_dir), "Hi", "--batch", "x"],
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
     assert both.returncode == 2 and "either PROMPT or --batch FILE" in both.stderr
+
+
+def test_copy_page_copies_one_page_of_every_kv_arena_on_the_device(model):
+    cache = model.new_batch_cache()
+    data = [np.random.default_rng(i).standard_normal(t.shape).astype(np.float32) for i, t in enumerate(cache.tensors)]
+    for tensor, values in zip(cache.tensors, data):
+        tensor.copyfrom(values)
+    model.copy_page(cache, 3, 7)
+    for tensor, values in zip(cache.tensors, data):
+        want = values.copy()
+        want[7] = values[3]
+        np.testing.assert_array_equal(tensor.numpy(), want)
