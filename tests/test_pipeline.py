@@ -271,3 +271,19 @@ def test_missing_or_broken_tokenizer(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(TokenizerError, match="cannot be loaded"):
         Tokenizer(tmp_path)
+
+
+def test_incremental_detokenizer_decodes_a_bounded_window(qwen2):
+    """Streaming cost per token does not grow with the reply: each step decodes only the last few tokens."""
+    from runtime.pipeline import IncrementalDetokenizer
+
+    ids = qwen2.encode("The quick brown fox jumps over the lazy dog. " * 8, add_special_tokens=False)
+    widths = []
+
+    def decode(part, skip_special_tokens):
+        widths.append(len(part))
+        return qwen2.decode(part, skip_special_tokens)
+
+    detok = IncrementalDetokenizer(decode, skip_special_tokens=True)
+    text = "".join(detok.step(ids[:n]) for n in range(1, len(ids) + 1)) + detok.flush(ids)
+    assert text == qwen2.decode(ids) and len(ids) > 40 and max(widths) <= 4
