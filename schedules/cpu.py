@@ -181,7 +181,7 @@ def _attention(sch: s_tir.Schedule, lanes: int) -> None:
 
 
 SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "attention": _attention,
-             "paged_attention": _attention}
+             "paged_attention": _attention, "padded_attention": _attention}
 
 
 def schedule(func: tirx.PrimFunc, kind: str, lanes: int) -> tirx.PrimFunc:
