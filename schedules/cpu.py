@@ -37,12 +37,35 @@ def _reduction(sch: s_tir.Schedule, block) -> None:
         sch.parallel(sch.fuse(*spatial) if len(spatial) > 1 else spatial[0])
 
 
-def _generic(sch: s_tir.Schedule, lanes: int) -> None:
+def _generic(sch: s_tir.Schedule, lanes: int, done: tuple[str, ...] = ()) -> None:
+    """Every block not named in `done` (or made from one by decompose_reduction): reductions parallel over their
+    outputs, the rest fused, parallel and vectorised."""
     for block in sch.get_child_blocks(sch.get_sblock("root")):
+        if sch.get(block).name_hint.removesuffix("_init").removesuffix("_update") in done:
+            continue
         if _is_reduction(sch, block):
             _reduction(sch, block)
         else:
             _spatial(sch, block, lanes)
+
+
+def _delta_rule(sch: s_tir.Schedule, lanes: int) -> None:
+    """The chunked gated delta rule's in-chunk dot products vectorised over the chunk's positions (the depth
+    loop outside them); every other stage as `_generic` does it."""
+    products = [name for name in ("delta_kk", "delta_qk") if _has_block(sch, name)]
+    for name in products:
+        block = sch.get_sblock(name)
+        heads, chunk, row, pos, depth = sch.get_loops(block)
+        sch.reorder(heads, chunk, row, depth, pos)
+        sch.parallel(sch.fuse(heads, chunk))
+        if static_extent(sch, pos) % lanes == 0:
+            sch.vectorize(sch.split(pos, [None, lanes])[1])
+        sch.decompose_reduction(block, depth)
+    _generic(sch, lanes, done=tuple(products))
+
+
+def _has_block(sch: s_tir.Schedule, name: str) -> bool:
+    return any(sch.get(b).name_hint == name for b in sch.get_child_blocks(sch.get_sblock("root")))
 
 
 def _linear(sch: s_tir.Schedule, lanes: int) -> None:
@@ -181,7 +204,7 @@ def _attention(sch: s_tir.Schedule, lanes: int) -> None:
 
 
 SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "attention": _attention,
-             "paged_attention": _attention, "padded_attention": _attention}
+             "paged_attention": _attention, "padded_attention": _attention, "gated_delta_rule": _delta_rule}
 
 
 def schedule(func: tirx.PrimFunc, kind: str, lanes: int) -> tirx.PrimFunc:
