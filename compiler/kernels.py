@@ -444,8 +444,7 @@ def _delta_chunked(rows, hk, hv, dk, dv, width, chunk, lanes):
              out: T.Buffer((rows, hv * dv), "float32")):
         decay = T.alloc_buffer((hv, rows), "float32")  # log decay from the chunk's start, inclusive
         scales = T.alloc_buffer((hv, rows, 2), "float32")  # exp(decay), exp(decay at chunk end - decay)
-        kk = T.alloc_buffer((hk, rows, chunk), "float32")  # k_t . k_s, s in t's chunk
-        qk_dot = T.alloc_buffer((hk, rows, chunk), "float32")  # q_t . k_s, s in t's chunk
+        dots = T.alloc_buffer((2, hk, rows, chunk), "float32")  # k_t . k_s and q_t . k_s, s in t's chunk
         a_mat = T.alloc_buffer((hv, rows, chunk), "float32")  # strictly lower: beta_t k_t . k_s decayed from s to t
         attn = T.alloc_buffer((hv, rows, chunk), "float32")  # lower: q_t . k_s decayed from s to t
         w = T.alloc_buffer((hv, rows, dk), "float32")  # (I + A)^-1 (beta k exp(decay)), per chunk
@@ -462,30 +461,23 @@ def _delta_chunked(rows, hk, hv, dk, dv, width, chunk, lanes):
                 vh, vc, vr, ve = T.axis.remap("SSSS", [h, c, r, e])
                 scales[vh, vc * chunk + vr, ve] = T.exp(T.if_then_else(
                     ve == 0, decay[vh, vc * chunk + vr], decay[vh, vc * chunk + chunk - 1] - decay[vh, vc * chunk + vr]))
-        for g, c, r, s, i in T.grid(hk, rows // chunk, chunk, chunk, dk):
-            with T.sblock("delta_kk"):
-                vg, vc, vr, vs, vi = T.axis.remap("SSSSR", [g, c, r, s, i])
+        for e, g, c, r, s, i in T.grid(2, hk, rows // chunk, chunk, chunk, dk):
+            with T.sblock("delta_dots"):  # e = 0: k_t . k_s, e = 1: q_t . k_s
+                ve, vg, vc, vr, vs, vi = T.axis.remap("SSSSSR", [e, g, c, r, s, i])
                 with T.init():
-                    kk[vg, vc * chunk + vr, vs] = T.float32(0)
-                kk[vg, vc * chunk + vr, vs] = kk[vg, vc * chunk + vr, vs] + qk[
-                    vc * chunk + vr, key + vg * dk + vi] * qk[vc * chunk + vs, key + vg * dk + vi]
-        for g, c, r, s, i in T.grid(hk, rows // chunk, chunk, chunk, dk):
-            with T.sblock("delta_qk"):
-                vg, vc, vr, vs, vi = T.axis.remap("SSSSR", [g, c, r, s, i])
-                with T.init():
-                    qk_dot[vg, vc * chunk + vr, vs] = T.float32(0)
-                qk_dot[vg, vc * chunk + vr, vs] = qk_dot[vg, vc * chunk + vr, vs] + qk[
-                    vc * chunk + vr, vg * dk + vi] * qk[vc * chunk + vs, key + vg * dk + vi]
+                    dots[ve, vg, vc * chunk + vr, vs] = T.float32(0)
+                dots[ve, vg, vc * chunk + vr, vs] = dots[ve, vg, vc * chunk + vr, vs] + qk[
+                    vc * chunk + vr, (1 - ve) * key + vg * dk + vi] * qk[vc * chunk + vs, key + vg * dk + vi]
         for h, c, r, s in T.grid(hv, rows // chunk, chunk, chunk):
             with T.sblock("delta_a"):
                 vh, vc, vr, vs = T.axis.remap("SSSS", [h, c, r, s])
-                a_mat[vh, vc * chunk + vr, vs] = T.if_then_else(vs < vr, gates[vc * chunk + vr, vh, 1] * kk[
-                    vh // ratio, vc * chunk + vr, vs] * T.exp(decay[vh, vc * chunk + vr] - decay[vh, vc * chunk + vs]),
+                a_mat[vh, vc * chunk + vr, vs] = T.if_then_else(vs < vr, gates[vc * chunk + vr, vh, 1] * dots[
+                    0, vh // ratio, vc * chunk + vr, vs] * T.exp(decay[vh, vc * chunk + vr] - decay[vh, vc * chunk + vs]),
                     T.float32(0))
         for h, c, r, s in T.grid(hv, rows // chunk, chunk, chunk):
             with T.sblock("delta_attn"):
                 vh, vc, vr, vs = T.axis.remap("SSSS", [h, c, r, s])
-                attn[vh, vc * chunk + vr, vs] = T.if_then_else(vs <= vr, qk_dot[vh // ratio, vc * chunk + vr, vs] * T.exp(
+                attn[vh, vc * chunk + vr, vs] = T.if_then_else(vs <= vr, dots[1, vh // ratio, vc * chunk + vr, vs] * T.exp(
                     decay[vh, vc * chunk + vr] - decay[vh, vc * chunk + vs]), T.float32(0))
         for h, c, e in T.grid(hv, rows // chunk, (dk + dv) // lanes):
             with T.sblock("delta_solve"):  # forward substitution for `lanes` right-hand-side columns (of k, then v)

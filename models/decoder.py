@@ -131,12 +131,17 @@ def checkpoint_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
 
 def build_decoder_program(c: DecoderConfig, param_dtypes: Mapping[str, str] | None = None) -> Program:
     """Prefill, decode and batched-step graphs of the decoder; params in `param_dtypes` (default: the config's dtype)."""
+    return assemble_program(c, checkpoint_shapes(c), param_dtypes, _entry, _step_entry)
+
+
+def assemble_program(c: DecoderConfig, shapes: dict, param_dtypes: Mapping[str, str] | None, entry, step_entry) -> Program:
+    """The verified program: params of these checkpoint shapes, `entry` graphs for prefill (TOKENS) and decode (one
+    token), `step_entry` graphs for batches (fused paged attention, and the legacy gather path)."""
     dtypes = param_dtypes or {}
-    params = {n: Param(n, TensorType(s, dtypes.get(n, c.dtype))) for n, s in checkpoint_shapes(c).items()}
-    entries = {name: _entry(c, params, name, tokens) for name, tokens in (("prefill", TOKENS), ("decode", 1))}
-    entries |= {"step": _step_entry(c, params, gather=False), "step_gather": _step_entry(c, params, gather=True)}
-    meta = {"config": asdict(c)}
-    return verify(Program(c.model_type, params, entries, meta))
+    params = {n: Param(n, TensorType(s, dtypes.get(n, c.dtype))) for n, s in shapes.items()}
+    entries = {name: entry(c, params, name, tokens) for name, tokens in (("prefill", TOKENS), ("decode", 1))}
+    entries |= {"step": step_entry(c, params, gather=False), "step_gather": step_entry(c, params, gather=True)}
+    return verify(Program(c.model_type, params, entries, {"config": asdict(c)}))
 
 
 def _entry(c: DecoderConfig, params: dict[str, Param], name: str, tokens):

@@ -16,7 +16,7 @@ under `model.`) and `qwen3_5` with a `text_config` (the image-text checkpoint, w
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from typing import Mapping
 
@@ -25,20 +25,18 @@ from ir import (
     CONTEXT,
     PAGES,
     SLOTS,
-    TOKENS,
     GraphBuilder,
     Param,
     Program,
-    TensorType,
     eliminate_dead_values,
     fuse_add_rms_norm,
-    verify,
 )
 from ir.ops import SEQUENCE_INPUTS
 
 from .config import ConfigReader
 from .decoder import (
     DecoderConfig,
+    assemble_program,
     attention_attrs,
     batch_logits,
     decoder_fields,
@@ -168,11 +166,7 @@ def checkpoint_shapes(c: Qwen35Config) -> dict[str, tuple[int, ...]]:
 
 def build_program(c: Qwen35Config, param_dtypes: Mapping[str, str] | None = None) -> Program:
     """Prefill, decode and batched-step graphs (fused and legacy paged attention); params in `param_dtypes`."""
-    dtypes = param_dtypes or {}
-    params = {n: Param(n, TensorType(s, dtypes.get(n, c.dtype))) for n, s in checkpoint_shapes(c).items()}
-    entries = {name: _entry(c, params, name, tokens) for name, tokens in (("prefill", TOKENS), ("decode", 1))}
-    entries |= {"step": _step_entry(c, params, gather=False), "step_gather": _step_entry(c, params, gather=True)}
-    return verify(Program(c.model_type, params, entries, {"config": asdict(c)}))
+    return assemble_program(c, checkpoint_shapes(c), param_dtypes, _entry, _step_entry)
 
 
 def _entry(c: Qwen35Config, params: dict[str, Param], name: str, tokens):

@@ -52,16 +52,15 @@ def _generic(sch: s_tir.Schedule, lanes: int, done: tuple[str, ...] = ()) -> Non
 def _delta_rule(sch: s_tir.Schedule, lanes: int) -> None:
     """The chunked gated delta rule's in-chunk dot products vectorised over the chunk's positions (the depth
     loop outside them); every other stage as `_generic` does it."""
-    products = [name for name in ("delta_kk", "delta_qk") if _has_block(sch, name)]
-    for name in products:
-        block = sch.get_sblock(name)
-        heads, chunk, row, pos, depth = sch.get_loops(block)
-        sch.reorder(heads, chunk, row, depth, pos)
-        sch.parallel(sch.fuse(heads, chunk))
+    if _has_block(sch, "delta_dots"):
+        block = sch.get_sblock("delta_dots")
+        which, heads, chunk, row, pos, depth = sch.get_loops(block)
+        sch.reorder(which, heads, chunk, row, depth, pos)
+        sch.parallel(sch.fuse(which, heads, chunk))
         if static_extent(sch, pos) % lanes == 0:
             sch.vectorize(sch.split(pos, [None, lanes])[1])
         sch.decompose_reduction(block, depth)
-    _generic(sch, lanes, done=tuple(products))
+    _generic(sch, lanes, done=("delta_dots",))
 
 
 def _has_block(sch: s_tir.Schedule, name: str) -> bool:
