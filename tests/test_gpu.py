@@ -8,6 +8,7 @@ import tvm
 from conftest import TEST_BUCKETS
 from test_cuda_build import nvrtc_available
 from test_models_vs_transformers import assert_logits_close
+from test_qwen35_vs_transformers import reference_model
 
 from compiler.build import build
 from runtime import CompiledModel, GreedyGenerationConfig, generate
@@ -17,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not tvm.cuda(0).exist, reason="no CUDA GPU on this machine")
 
 COMPILERS = ["ptx", "nvcc"] + (["nvrtc"] if nvrtc_available() else [])
-CASES = {"qwen2-bf16": dict(arch="qwen2", dtype="bfloat16"), "llama-f32-mha": dict(arch="llama", num_key_value_heads=4)}
+CASES = {"qwen2-bf16": dict(arch="qwen2", dtype="bfloat16"), "llama-f32-mha": dict(arch="llama", num_key_value_heads=4),
+         "qwen3_5-bf16": dict(arch="qwen3_5", dtype="bfloat16", num_hidden_layers=3)}
 
 
 @pytest.fixture(scope="module", params=[(c, k) for c in COMPILERS for k in CASES], ids=lambda p: f"{p[0]}-{p[1]}")
@@ -28,7 +30,8 @@ def models(request, tiny_factory, tmp_path_factory):
     build(model_dir, target="cuda", out=out, cuda_compiler=compiler, prefill_buckets=TEST_BUCKETS["prefill_tokens"],
           context_buckets=TEST_BUCKETS["context"], quiet=True)
     gpu = CompiledModel(model_dir, out, device="cuda")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = reference_model(model_dir) if case.startswith("qwen3_5") else \
+        transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return gpu, CompiledModel(model_dir, cpu_artifact), hf
 
 
