@@ -1,11 +1,16 @@
-"""Random-weight checkpoints at real model shapes (weights and config only: benchmarks feed token ids)."""
+"""Random-weight checkpoints at real model shapes (weights and config; benchmarks feed token ids)."""
 
 from __future__ import annotations
 
+import io
 import json
+import math
 from pathlib import Path
 
-from models.tiny import random_weights, save_weights, tiny_config
+import numpy as np
+
+from models import checkpoint_tensor_shapes
+from models.tiny import DTYPES, random_weights, save_weights, tiny_config
 
 SHAPES = {
     "qwen2.5-0.5b": dict(arch="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
@@ -13,8 +18,12 @@ SHAPES = {
                          rope_theta=1000000.0, max_position_embeddings=32768),
     "tinyllama-1.1b": dict(arch="llama", hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
                            num_key_value_heads=4, intermediate_size=5632, vocab_size=32000,
-                           max_position_embeddings=2048),
+                           tie_word_embeddings=False, max_position_embeddings=2048),
 }
+
+# Text for the SentencePiece model that GGUF conversion needs (token ids are fed directly, so any will do).
+_SPM_TEXT = ["The quick brown fox jumps over the lazy dog.", "Pack my box with five dozen liquor jugs!",
+             "Mathematics is the language of patterns: 1 + 1 = 2, 3 * 4 = 12.", "0 1 2 3 4 5 6 7 8 9"]
 
 
 def real_shape_checkpoint(root: str | Path, shape: str, dtype: str) -> Path:
@@ -28,3 +37,31 @@ def real_shape_checkpoint(root: str | Path, shape: str, dtype: str) -> Path:
     save_weights(random_weights(config, seed=0), out)
     (out / "config.json").write_text(json.dumps(config, indent=1))  # written last: marks the checkpoint complete
     return out
+
+
+def weight_bytes_per_token(model_dir: Path) -> int:
+    """Bytes of weights one decode step reads: every tensor but an untied embedding table (one row of it)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    itemsize = np.dtype(DTYPES[config["torch_dtype"]]).itemsize
+    shapes = checkpoint_tensor_shapes(config)
+    if "lm_head.weight" in shapes:
+        shapes.pop("model.embed_tokens.weight")
+    return sum(itemsize * math.prod(shape) for shape in shapes.values())
+
+
+def add_sentencepiece_tokenizer(model_dir: Path) -> Path:
+    """Write a small SentencePiece `tokenizer.model` (<unk> <s> </s>, 256 bytes, some merges) if there is none.
+
+    llama.cpp's converter takes SentencePiece vocabularies without a pre-tokenizer hash check and pads
+    them with unused tokens up to config.json's vocab_size, so the GGUF's vocab size matches the weights.
+    """
+    path = model_dir / "tokenizer.model"
+    if not path.is_file():
+        import sentencepiece
+
+        proto = io.BytesIO()
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(_SPM_TEXT * 4), model_writer=proto, vocab_size=400, model_type="bpe",
+            byte_fallback=True, character_coverage=1.0, hard_vocab_limit=False, minloglevel=2)
+        path.write_bytes(proto.getvalue())
+    return path

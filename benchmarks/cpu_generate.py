@@ -1,38 +1,56 @@
-"""End-to-end CPU speed at a real model shape, ours beside transformers: prefill N tokens, decode N.
+"""End-to-end CPU speed at real model shapes: ours beside transformers and llama.cpp, prefill N tokens, decode N.
 
     python -m benchmarks.cpu_generate --shape qwen2.5-0.5b --dtype bfloat16 --tokens 128 --work DIR
+    python -m benchmarks.cpu_generate --shape all --dtype all --work DIR        # every shape in bf16 and f32
 
-Both run in the same process with the same number of threads (every core this process may use).
-The run also measures this machine's memory read bandwidth (numpy, one share of 1 GiB per core)
-and prints the decode roofline: bandwidth / weight bytes read per token. transformers is a test
-dependency; without it that column says why it is missing.
+--shape and --dtype take a name, a comma-separated list or `all`. For each shape and dtype the run
+makes a random-weight checkpoint in Hugging Face format (benchmarks/checkpoints.py), builds it for
+llvm, measures this machine's memory read bandwidth (numpy max, one share of 1 GiB per core), then times,
+one after another in this process with the same number of threads (every core it may use):
+
+- ours: the compiled artifact through CompiledModel;
+- transformers (torch CPU, the checkpoint's dtype);
+- llama.cpp through llama-cpp-python, on the checkpoint converted to GGUF by the converter from
+  llama-cpp-python's sdist (F32 for float32; BF16 and F16 for bfloat16; F16 for float16).
+
+Each does one prefill of the N-token prompt (token ids, no tokenizer) and N-1 single-token decode
+steps fed the greedy argmax (no EOS), --runs times; the medians are reported. A peer that is not
+installed or fails to convert or run is a table row with the reason. Prints one JSON line per shape
+and dtype, then a Markdown table with the ratios us/peer and us/decode roofline (read bandwidth /
+weight bytes read per token). transformers is in the `test` extra; llama-cpp-python and the
+converter's needs are in the `bench` extra (pip install -e .[test,bench]).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 
-from benchmarks.checkpoints import SHAPES, real_shape_checkpoint
-from compiler.build import build
-from runtime import CompiledModel
+from benchmarks.checkpoints import SHAPES, real_shape_checkpoint, weight_bytes_per_token
+from benchmarks.gguf_convert import gguf_file
+
+DTYPES = ("bfloat16", "float32")
+GGUF_TYPES = {"float32": ("f32",), "bfloat16": ("bf16", "f16"), "float16": ("f16",)}
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes/s that all cores together read from memory (the best of several passes)."""
+    """Bytes/s that all cores together read from memory (the best of several passes of a SIMD max over 1 GiB)."""
     threads = len(os.sched_getaffinity(0))
     parts = [np.ones(int(gib * 2**30 / 4 / threads), np.float32) for _ in range(threads)]
     best = float("inf")
     with ThreadPoolExecutor(threads) as pool:
         for _ in range(repeats):
             start = time.perf_counter()
-            list(pool.map(np.sum, parts))
+            list(pool.map(np.max, parts))  # np.sum is compute-bound here (about half the rate)
             best = min(best, time.perf_counter() - start)
     return sum(p.nbytes for p in parts) / best
 
@@ -51,9 +69,13 @@ def timed_generation(prefill_fn, decode_fn, tokens: int, runs: int) -> tuple[flo
     return statistics.median(prefill), statistics.median(decode)
 
 
-def ours(model_dir, args, prompt) -> tuple[float, float, CompiledModel]:
-    """Our runtime's speeds (and the model, for its manifest)."""
-    artifact = build(model_dir, out=f"{args.work}/{args.shape}-{args.dtype}.llvm", prefill_buckets=(args.tokens,),
+@contextmanager
+def ours(model_dir: Path, args, prompt: list[int], threads: int):
+    """Our runtime: (label, prefill, decode) on an artifact built for this shape and prompt length."""
+    from compiler.build import build
+    from runtime import CompiledModel
+
+    artifact = build(model_dir, out=f"{args.work}/{model_dir.name}.llvm", prefill_buckets=(args.tokens,),
                      context_buckets=(2 * args.tokens,), quiet=True).path
     model = CompiledModel(model_dir, artifact)
 
@@ -65,62 +87,157 @@ def ours(model_dir, args, prompt) -> tuple[float, float, CompiledModel]:
         cache, token = state
         return cache, int(np.argmax(model.forward([token], cache)))
 
-    return (*timed_generation(prefill, decode, args.tokens, args.runs), model)
+    yield "ours (llvm artifact)", prefill, decode
 
 
-def transformers_speed(model_dir, args, prompt, threads: int) -> dict:
-    """transformers (torch CPU, same threads, the checkpoint's dtype) speeds, or why it could not run."""
-    try:
-        import torch
-        from transformers import AutoModelForCausalLM
-    except ImportError as e:
-        return {"transformers": f"not installed ({e})"}
+@contextmanager
+def transformers_peer(model_dir: Path, args, prompt: list[int], threads: int):
+    """transformers, torch CPU, same threads, the checkpoint's dtype: (label, prefill, decode)."""
+    import torch
+    import transformers
+
     torch.set_num_threads(threads)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
+    dtype = json.loads((model_dir / "config.json").read_text())["torch_dtype"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor([prompt])
 
+    def step(tokens, past=None):
+        with torch.no_grad():
+            out = hf(tokens, past_key_values=past, use_cache=True, logits_to_keep=1)  # as generate() does
+        return out.past_key_values, out.logits.argmax(-1)
+
+    label = f"transformers {transformers.__version__} (torch {torch.__version__})"
+    yield label, lambda: step(ids), lambda state: step(state[1], state[0])
+
+
+@contextmanager
+def llama_cpp_peer(gguf: Path, args, prompt: list[int], threads: int):
+    """llama.cpp (llama-cpp-python) on a GGUF file, same threads, prompt in one batch: (label, prefill, decode)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(gguf), n_ctx=2 * args.tokens, n_batch=args.tokens, n_ubatch=args.tokens,
+                          n_threads=threads, n_threads_batch=threads, flash_attn=True, verbose=False)
+    vocab = llm.n_vocab()
+
+    def step(tokens):
+        llm.eval(tokens)
+        return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))))
+
     def prefill():
-        with torch.no_grad():
-            out = hf(ids, use_cache=True)
-        return out.past_key_values, out.logits[:, -1:].argmax(-1)
+        llm.reset()
+        return step(prompt)
 
-    def decode(state):
-        past, token = state
-        with torch.no_grad():
-            out = hf(token, past_key_values=past, use_cache=True)
-        return out.past_key_values, out.logits[:, -1:].argmax(-1)
+    label = f"llama.cpp (llama-cpp-python {llama_cpp.__version__}, GGUF {gguf.name.split('.')[-2].upper()})"
+    try:
+        yield label, prefill, lambda token: step([token])
+    finally:
+        llm.close()
 
-    p, d = timed_generation(prefill, decode, args.tokens, args.runs)
-    return {"transformers_prefill_tokens_per_s": round(p, 1), "transformers_decode_tokens_per_s": round(d, 2)}
+
+def measure(peer, source, args, prompt: list[int], threads: int, fallback: str) -> dict:
+    """Speeds of one peer on `source` (checkpoint dir or GGUF, or the exception that stopped it), then free it."""
+    try:
+        if isinstance(source, Exception):
+            raise source
+        return timed_peer(peer, source, args, prompt, threads)
+    except ImportError as e:
+        return {"engine": fallback, "error": f"not installed ({e}); pip install -e .[test,bench]"}
+    except Exception as e:  # noqa: BLE001  (a peer that fails is reported, not hidden)
+        return {"engine": fallback, "error": f"{type(e).__name__}: {e}"}
+    finally:
+        gc.collect()
+
+
+def timed_peer(peer, source, args, prompt: list[int], threads: int) -> dict:
+    """Speeds of one peer; everything it holds is released when this returns."""
+    with peer(source, args, prompt, threads) as (label, prefill, decode):
+        p, d = timed_generation(prefill, decode, args.tokens, args.runs)
+    return {"engine": label, "prefill_tokens_per_s": round(p, 1), "decode_tokens_per_s": round(d, 2)}
+
+
+def gguf_or_error(model_dir: Path, outtype: str, args) -> Path | Exception:
+    """The GGUF conversion of `model_dir`, or why there is none (llama-cpp-python missing, converter failed)."""
+    try:
+        import llama_cpp  # noqa: F401  (no point converting for a peer that cannot run)
+
+        return gguf_file(model_dir, outtype, Path(args.work), args.llama_cpp_src)
+    except Exception as e:  # noqa: BLE001  (reported in the peer's row)
+        return e
+
+
+def benchmark(shape: str, dtype: str, args) -> dict:
+    """Every engine's speeds for one shape and dtype, with the bandwidth and decode roofline of the moment."""
+    model_dir = real_shape_checkpoint(args.work, shape, dtype)
+    threads = len(os.sched_getaffinity(0))
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, SHAPES[shape]["vocab_size"], args.tokens)]
+    load = os.getloadavg()[0]  # other work on the machine skews every column; recorded, not corrected for
+    bandwidth = read_bandwidth()
+    weight_bytes = weight_bytes_per_token(model_dir)
+    engines = [measure(ours, model_dir, args, prompt, threads, "ours"),
+               measure(transformers_peer, model_dir, args, prompt, threads, "transformers")]
+    for outtype in GGUF_TYPES[dtype]:
+        engines.append(measure(llama_cpp_peer, gguf_or_error(model_dir, outtype, args), args, prompt, threads,
+                               f"llama.cpp (GGUF {outtype.upper()})"))
+    return {"model": f"{shape} {dtype} (random weights)", "threads": threads, "tokens": args.tokens, "runs": args.runs,
+            "load_average_1m": round(load, 2), "read_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+            "weight_bytes_per_token": weight_bytes,
+            "decode_roofline_tokens_per_s": round(bandwidth / weight_bytes, 2), "engines": engines}
+
+
+def ratio(a: dict, b: dict, key: str) -> str:
+    """a[key] / b[key] to two places, or empty when either is missing."""
+    return f"{a[key] / b[key]:.2f}" if key in a and key in b else ""
+
+
+def table(results: list[dict]) -> str:
+    """A Markdown table of every engine's tok/s and our ratio to it, plus each decode roofline."""
+    lines = ["| model | engine | prefill tok/s | decode tok/s | us/engine prefill | us/engine decode |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        us = r["engines"][0]
+        for e in r["engines"]:
+            if "error" in e:
+                lines.append(f"| {r['model']} | {e['engine']} | failed: {e['error']} | | | |")
+                continue
+            keys = ("prefill_tokens_per_s", "decode_tokens_per_s")
+            ratios = ("", "") if e is us else tuple(ratio(us, e, k) for k in keys)
+            lines.append(f"| {r['model']} | {e['engine']} | {e['prefill_tokens_per_s']} | {e['decode_tokens_per_s']} | "
+                         f"{ratios[0]} | {ratios[1]} |")
+        roof = r["decode_roofline_tokens_per_s"]
+        vs = f"{us['decode_tokens_per_s'] / roof:.2f}" if "decode_tokens_per_s" in us else ""
+        lines.append(f"| {r['model']} | decode roofline: {r['read_bandwidth_gb_s']} GB/s read / "
+                     f"{r['weight_bytes_per_token'] / 1e9:.2f} GB of weights per token | | {roof} | | {vs} |")
+    return "\n".join(lines)
+
+
+def choices(value: str, known: tuple[str, ...], every: tuple[str, ...]) -> list[str]:
+    """`value` as a list of names: one name, a comma-separated list, or `all` (the names in `every`)."""
+    names = list(every) if value == "all" else value.split(",")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose from {', '.join(known)} or all")
+    return names
 
 
 def main() -> None:
-    """Build, run, print one JSON line."""
+    """Benchmark every shape and dtype asked for; print a JSON line for each and then the table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--work", required=True)
+    parser.add_argument("--shape", type=lambda v: choices(v, tuple(SHAPES), tuple(SHAPES)), default=["qwen2.5-0.5b"],
+                        help=f"{', '.join(sorted(SHAPES))}, a comma-separated list, or all")
+    parser.add_argument("--dtype", type=lambda v: choices(v, tuple(GGUF_TYPES), DTYPES), default=["bfloat16"],
+                        help="bfloat16, float32, float16, a comma-separated list, or all (bfloat16 and float32)")
+    parser.add_argument("--tokens", type=int, default=128, help="prompt tokens and decode steps (default 128)")
+    parser.add_argument("--runs", type=int, default=3, help="runs per engine; medians are reported (default 3)")
+    parser.add_argument("--work", required=True, help="directory for checkpoints, artifacts and GGUF files (reused)")
+    parser.add_argument("--llama-cpp-src", help="unpacked llama-cpp-python sdist or llama.cpp tree with "
+                        "convert_hf_to_gguf.py (default: pip download the installed version's sdist into --work)")
     args = parser.parse_args()
-    model_dir = real_shape_checkpoint(args.work, args.shape, args.dtype)
-    threads = len(os.sched_getaffinity(0))
-    prompt = [int(t) for t in np.random.default_rng(0).integers(0, SHAPES[args.shape]["vocab_size"], args.tokens)]
-    prefill, decode, model = ours(model_dir, args, prompt)
-    peer = transformers_speed(model_dir, args, prompt, threads)
-    itemsize = {"float32": 4}.get(args.dtype, 2)
-    weight_bytes = sum(int(np.prod(p["shape"])) * itemsize for p in model.manifest["params"]
-                       if p["name"] != "model.embed_tokens.weight" or model.config.tie_word_embeddings)
-    bandwidth = read_bandwidth()
-    result = {"model": f"{args.shape} {args.dtype} (random weights)", "threads": threads, "tokens": args.tokens,
-              "prefill_tokens_per_s": round(prefill, 1), "decode_tokens_per_s": round(decode, 2), **peer,
-              "read_bandwidth_gb_s": round(bandwidth / 1e9, 1), "weight_bytes_per_token": weight_bytes,
-              "decode_roofline_tokens_per_s": round(bandwidth / weight_bytes, 2),
-              "decode_vs_roofline": round(decode * weight_bytes / bandwidth, 3)}
-    if "transformers_decode_tokens_per_s" in peer:
-        result["prefill_vs_transformers"] = round(prefill / peer["transformers_prefill_tokens_per_s"], 2)
-        result["decode_vs_transformers"] = round(decode / peer["transformers_decode_tokens_per_s"], 2)
-    print(json.dumps(result))
+    results = []
+    for shape in args.shape:
+        for dtype in args.dtype:
+            results.append(benchmark(shape, dtype, args))
+            print(json.dumps(results[-1]), flush=True)
+    print(table(results))
 
 
 if __name__ == "__main__":

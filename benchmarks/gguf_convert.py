@@ -1,0 +1,73 @@
+"""GGUF files for llama.cpp, made with the converter that llama-cpp-python's source distribution ships.
+
+The converter (vendor/llama.cpp/convert_hf_to_gguf.py, with its own gguf-py package) is not in the
+llama-cpp-python wheel, so it is taken from the sdist of the installed version: `pip download` fetches
+it into the work directory once, unless --llama-cpp-src names an unpacked sdist or llama.cpp tree.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tarfile
+from importlib.metadata import version
+from pathlib import Path
+
+from benchmarks.checkpoints import add_sentencepiece_tokenizer
+
+
+class ConversionError(RuntimeError):
+    """The converter could not be found or failed; the message says why."""
+
+
+def converter_script(work: Path, source: str | None) -> Path:
+    """convert_hf_to_gguf.py from `source` (an sdist or llama.cpp tree), else from the installed version's sdist."""
+    if source is None:
+        release = f"llama_cpp_python-{version('llama_cpp_python')}"
+        root = work / release
+        if not root.is_dir():
+            _download_sdist(release, work)
+    else:
+        root = Path(source)
+    for script in (root / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py", root / "convert_hf_to_gguf.py"):
+        if script.is_file():
+            return script
+    raise ConversionError(f"no convert_hf_to_gguf.py under {root}")
+
+
+def _download_sdist(release: str, work: Path) -> None:
+    """Fetch and unpack the llama-cpp-python sdist `release` into `work` with pip."""
+    spec = release.replace("llama_cpp_python-", "llama-cpp-python==")
+    done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                           "--dest", str(work), spec], check=False, capture_output=True, text=True)
+    archive = work / f"{release}.tar.gz"
+    if done.returncode != 0 or not archive.is_file():
+        raise ConversionError(f"pip download {spec} failed: {_last_line(done.stderr)}")
+    with tarfile.open(archive) as tar:
+        tar.extractall(work, filter="data")
+
+
+def gguf_file(model_dir: Path, outtype: str, work: Path, source: str | None) -> Path:
+    """`model_dir` converted to GGUF with tensors in `outtype` (f32, bf16, f16), converted once and reused."""
+    out = work / f"{model_dir.name}.{outtype}.gguf"
+    if out.is_file():
+        return out
+    script = converter_script(work, source)
+    try:
+        add_sentencepiece_tokenizer(model_dir)
+    except ImportError as e:
+        raise ConversionError(f"the converter needs a tokenizer and sentencepiece is not installed ({e})") from e
+    partial = out.with_suffix(".part")
+    command = [sys.executable, str(script), str(model_dir), "--outtype", outtype, "--outfile", str(partial)]
+    done = subprocess.run(command, check=False, capture_output=True, text=True)
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise ConversionError(f"convert_hf_to_gguf.py failed: {_last_line(done.stderr)}")
+    partial.rename(out)
+    return out
+
+
+def _last_line(text: str) -> str:
+    """The last non-empty line of `text` (a traceback's error)."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no output"
