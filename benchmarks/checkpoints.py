@@ -19,6 +19,14 @@ SHAPES = {
     "tinyllama-1.1b": dict(arch="llama", hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
                            num_key_value_heads=4, intermediate_size=5632, vocab_size=32000,
                            tie_word_embeddings=False, max_position_embeddings=2048),
+    # hidden, layers, heads, vocab, tied embeddings and one full-attention layer in four as published for
+    # Qwen3.5-0.8B; the linear-attention shapes (16 q/k and 16 v heads of 128) and the MLP width are assumed
+    "qwen3.5-0.8b": dict(arch="qwen3_5_text", hidden_size=1024, num_hidden_layers=24, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=256, intermediate_size=3584, vocab_size=248320,
+                         tie_word_embeddings=True, rope_theta=10000000.0, max_position_embeddings=262144,
+                         linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                         linear_value_head_dim=128,
+                         layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(24)]),
 }
 
 # Text for the SentencePiece model that GGUF conversion needs (token ids are fed directly, so any will do).
@@ -39,10 +47,16 @@ def real_shape_checkpoint(root: str | Path, shape: str, dtype: str) -> Path:
     return out
 
 
+def checkpoint_dtype(model_dir: Path) -> str:
+    """The weights' dtype that config.json names (`torch_dtype`, or transformers 5's `dtype`)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return config.get("torch_dtype") or config["dtype"]
+
+
 def weight_bytes_per_token(model_dir: Path) -> int:
     """Bytes of weights one decode step reads: every tensor but an untied embedding table (one row of it)."""
     config = json.loads((model_dir / "config.json").read_text())
-    itemsize = np.dtype(DTYPES[config["torch_dtype"]]).itemsize
+    itemsize = np.dtype(DTYPES[checkpoint_dtype(model_dir)]).itemsize
     shapes = checkpoint_tensor_shapes(config)
     if "lm_head.weight" in shapes:
         shapes.pop("model.embed_tokens.weight")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.checkpoints import SHAPES, real_shape_checkpoint, weight_bytes_per_token
+from benchmarks.checkpoints import SHAPES, checkpoint_dtype, real_shape_checkpoint, weight_bytes_per_token
 from benchmarks.gguf_convert import gguf_file
 
 DTYPES = ("bfloat16", "float32")
@@ -97,7 +97,7 @@ def transformers_peer(model_dir: Path, args, prompt: list[int], threads: int):
     import transformers
 
     torch.set_num_threads(threads)
-    dtype = json.loads((model_dir / "config.json").read_text())["torch_dtype"]
+    dtype = checkpoint_dtype(model_dir)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor([prompt])
 

@@ -124,6 +124,7 @@ def read_config(cfg: ConfigReader) -> Qwen35Config:
 
 
 def _layer_types(text: ConfigReader, layers: int) -> tuple[str, ...]:
+    """layer_types as given (one valid type per layer), or every full_attention_interval-th layer full."""
     types = text.get("layer_types", None)
     if types is None:
         interval = text.int("full_attention_interval", 4)
@@ -276,11 +277,13 @@ def _gated_delta_net(g: GraphBuilder, c: Qwen35Config, layer: str, x: str, *, n:
 
 
 def _delta_attrs(c: Qwen35Config) -> dict:
+    """The delta-rule ops' head attributes."""
     return {"num_k_heads": c.linear_num_key_heads, "num_v_heads": c.linear_num_value_heads,
             "k_dim": c.linear_key_head_dim, "v_dim": c.linear_value_head_dim}
 
 
 def _solo_recurrence(g, c, n, conv_state, delta_state, chunk, layer, a, qkv, prepare) -> str:
+    """Conv and delta rule of one sequence over its own states (chunked form for prefill, recurrent for decode)."""
     mixed, _ = g.op("causal_conv1d", [qkv, conv_state, a + "conv1d.weight", n], layer + "conv")
     qk, gates = prepare(mixed)
     core, _ = g.op("gated_delta_rule", [qk, mixed, gates, delta_state], layer + "delta", chunk=chunk, **_delta_attrs(c))
@@ -288,6 +291,7 @@ def _solo_recurrence(g, c, n, conv_state, delta_state, chunk, layer, a, qkv, pre
 
 
 def _batch_recurrence(g, c, seqs, conv_pool, delta_pool, layer, a, qkv, prepare) -> str:
+    """Conv and delta rule of a batch, each sequence over its own state slot."""
     mixed, _ = g.op("batch_causal_conv1d", [qkv, conv_pool, a + "conv1d.weight", *seqs], layer + "conv")
     qk, gates = prepare(mixed)
     core, _ = g.op("batch_gated_delta_rule", [qk, mixed, gates, delta_pool, *seqs], layer + "delta", **_delta_attrs(c))
