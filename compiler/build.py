@@ -134,20 +134,14 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
         "tvm_version": tvm.__version__,
         "code_hash": code_hash(),
         "params": [{"name": p.name, "dtype": p.type.dtype, "shape": list(p.type.shape)} for p in program.params.values()],
-        "cache": [{"name": name, "shape": list(program.entries["decode"].types[name].shape),
-                   "dtype": program.entries["decode"].types[name].dtype}
-                  for name in program.entries["decode"].inputs[3:]],
-        "num_layers": config.num_hidden_layers,
-        "kv_width": config.num_key_value_heads * config.head_dim,
+        "cache": _state_tensors(program.entries["decode"], {}),
         "vocab_size": config.vocab_size,
         "functions": [name for name, _, _ in buckets.functions()],
         "kernels": [sig.name for sig in kernel_signatures(program, buckets)],
     }
     if buckets.batch_rows:
         step = program.entries["step"]
-        manifest["batch_state"] = [{"name": name, "shape": list(step.types[name].bind(buckets.arena_dims()).shape),
-                                    "dtype": step.types[name].dtype}
-                                   for name in step.inputs if step.types[name].dtype == "float32"]
+        manifest["batch_state"] = _state_tensors(step, buckets.arena_dims())
         manifest["step_inputs"] = [name for name in step.inputs if step.types[name].dtype == "int32"]
     if isinstance(tgt, CudaTarget):
         manifest["ptx_file"] = PTX_FILE
@@ -163,6 +157,13 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
     executable = _compile(module, tgt)
     _write_atomically(out, manifest, program, lambda tmp: _export(executable, tgt, tmp))
     return BuildResult(out, False, time.perf_counter() - start)
+
+
+def _state_tensors(graph, dims: dict[str, int]) -> list[dict]:
+    """The state an entry carries across calls (its float inputs: KV caches or pages, recurrent states), with
+    `dims` bound (the runtime binds the rest, e.g. the context capacity)."""
+    return [{"name": name, "shape": list(graph.types[name].bind(dims).shape), "dtype": graph.types[name].dtype}
+            for name in graph.inputs if graph.types[name].dtype == "float32"]
 
 
 def _describe(tgt: CpuTarget | CudaTarget) -> str:

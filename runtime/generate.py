@@ -20,11 +20,11 @@ from pathlib import Path
 from ir.errors import RudaError
 
 from .batching import BatchExecutor
-from .pipeline import load_pipeline
+from .pipeline import QWEN35_TYPES, load_pipeline
 from .sampling import GreedyGenerationConfig
 from .scheduler import ContinuousBatchConfig
 
-DEFAULT_NEW_TOKENS = {"qwen3_5": 8, "qwen3_5_text": 8}  # new tokens when not given; every other model: 32
+DEFAULT_NEW_TOKENS = dict.fromkeys(QWEN35_TYPES, 8)  # new tokens when not given; every other model: 32
 
 
 def _positive(name: str):

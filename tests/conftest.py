@@ -33,3 +33,10 @@ def tiny_factory(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(params=["fused", "legacy"])
+def attention_path(request, monkeypatch):
+    """Run the test with each batched attention path (RUDA_PAGED_ATTENTION, read when a batch cache is made)."""
+    monkeypatch.setenv("RUDA_PAGED_ATTENTION", request.param)
+    return request.param

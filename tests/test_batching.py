@@ -32,13 +32,6 @@ def model(tmp_path_factory):
     return _batched_model(tmp_path_factory.mktemp("batch"), "qwen2")
 
 
-@pytest.fixture(params=["fused", "legacy"])
-def attention_path(request, monkeypatch):
-    """Run the test with each batched attention path (RUDA_PAGED_ATTENTION, read when a batch cache is made)."""
-    monkeypatch.setenv("RUDA_PAGED_ATTENTION", request.param)
-    return request.param
-
-
 def test_llama_batches_equal_solo_runs(tmp_path):
     llama = _batched_model(tmp_path, "llama")
     prompts = _prompts(12, llama.config.vocab_size, seed=7)

@@ -31,12 +31,6 @@ def model(tmp_path_factory):
     return CompiledModel(model_dir, build(model_dir, out=root / "artifact", quiet=True, **BATCH_BUILD).path)
 
 
-@pytest.fixture(params=["fused", "legacy"])
-def attention_path(request, monkeypatch):
-    monkeypatch.setenv("RUDA_PAGED_ATTENTION", request.param)
-    return request.param
-
-
 def _assert_solo(model, executor, prompts, configs):
     for prompt, config, finished in zip(prompts, configs, _run_all(executor, prompts, configs)):
         assert finished.generated_token_ids == generate(model, prompt, config).generated_token_ids
