@@ -187,12 +187,12 @@ def _compile(module: tvm.IRModule, tgt: CpuTarget | CudaTarget):
         return tvm.compile(module, tgt.tvm_target(), relax_pipeline="default_build")
     prepare_environment()
     try:
-        return tvm.compile(module, tgt.tvm_target(), relax_pipeline="default_build")
+        return tvm.compile(module, tgt.tvm_target(), relax_pipeline="default_build", tir_pipeline=tgt.tir_pipeline())
     except Exception as e:  # TVM raises bare errors from codegen; find and name the kernel behind it
         for name, func in module.functions.items():
             if isinstance(func, tvm.tirx.PrimFunc):
                 try:
-                    tvm.compile(func, tgt.tvm_target())
+                    tvm.compile(func, tgt.tvm_target(), tir_pipeline=tgt.tir_pipeline())
                 except Exception as kernel_error:
                     detail = str(kernel_error).strip().splitlines()[-1]
                     raise CudaBuildError(

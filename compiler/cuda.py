@@ -7,8 +7,12 @@ Paths (`--cuda-compiler` / RUDA_CUDA_COMPILER):
 Either way the artifact's device module holds PTX (format "ptx"), which the CUDA driver loads
 directly: nothing is compiled by TVM at load time. Two quirks of the pinned TVM (0.27, LLVM 22)
 are handled here: its NVPTX backend declares kernels as `.func` instead of `.entry` (LLVM 22 no
-longer reads the kernel annotation TVM emits), so kernel names are restored to entries; and its
-barrier intrinsic call does not verify, which is why `schedules.gpu` never needs barriers.
+longer reads the kernel annotation TVM emits), so kernel names are restored to entries; and it
+calls LLVM 22's block-barrier intrinsic without its barrier-id argument (the call does not
+verify), so the direct path's TIR pipeline (`NVPTX_PIPELINE`) emits that call itself. Warp-level
+barriers have no NVPTX lowering at all, so a kernel that needs one (TVM's warp-synchronous
+cross-thread reduction) is refused on that path: `schedules.gpu` reduces across threads through
+shared memory and block barriers only.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from pathlib import Path
 
 import tvm
 import tvm_ffi
+from tvm import tirx
+from tvm.tirx import compilation_pipeline
 
 from ir.errors import RudaError
 
@@ -33,6 +39,8 @@ PTX_VERSIONS = ("7.0", "7.1", "7.2", "7.3", "7.4", "7.5", "7.6", "7.7", "7.8",
 # The oldest PTX ISA that can target each architecture.
 MIN_PTX_VERSION = {"sm_80": "7.0", "sm_86": "7.1", "sm_89": "7.8", "sm_90": "7.8"}
 COMPILER_ENV, PTX_VERSION_ENV = "RUDA_CUDA_COMPILER", "RUDA_PTX_VERSION"
+NVPTX_PIPELINE = "ruda_nvptx"
+BLOCK_BARRIER = "llvm.nvvm.barrier.cta.sync.aligned.all"
 
 
 class CudaBuildError(RudaError):
@@ -59,9 +67,39 @@ class CudaTarget:
             return tvm.target.Target({"kind": "nvptx", "mcpu": self.arch}, host=host)
         return tvm.target.Target({"kind": "cuda", "arch": self.arch}, host=host)
 
+    def tir_pipeline(self) -> str:
+        """The TIR lowering pipeline: TVM's own, with the barrier fix on the direct path."""
+        return NVPTX_PIPELINE if self.compiler == "ptx" else "default"
+
     def describe(self) -> dict:
         """JSON form for the manifest."""
         return {"kind": "cuda", "arch": self.arch, "cuda_compiler": self.compiler, "ptx_version": self.ptx_version}
+
+
+@tirx.transform.prim_func_pass(opt_level=0, name="NvptxBarriers")
+def _nvptx_barriers(func, mod, ctx):
+    """Block barriers as the NVVM intrinsic call LLVM 22 verifies; a warp barrier is an error naming the kernel."""
+    sync = tvm.ir.Op.get("tirx.tvm_storage_sync")
+
+    def rewrite(call):
+        if not call.op.same_as(sync):
+            return call
+        scope = call.args[0].value
+        if scope == "warp":
+            raise CudaBuildError(f"kernel {func.attrs['global_symbol']} needs a warp-synchronous reduction, which the "
+                                 "NVPTX backend cannot emit (reduce across threads through shared memory instead)")
+        return tirx.call_llvm_intrin("void", BLOCK_BARRIER, tirx.const(0, "int32"))
+
+    return tvm_ffi.structural_map(func, [(tvm.ir.expr.Call, rewrite)])
+
+
+def _nvptx_pipeline(**kwargs):
+    """TVM's default TIR pipeline with `_nvptx_barriers` run last on device functions."""
+    lower, finalize_host, finalize_device = compilation_pipeline.get_tir_pipeline("s_tir", **kwargs)
+    return lower, finalize_host, lambda: tvm.ir.transform.Sequential([finalize_device(), _nvptx_barriers])
+
+
+compilation_pipeline.register_tir_pipeline(NVPTX_PIPELINE, _nvptx_pipeline)
 
 
 def cuda_target(arch: str | None = None, compiler: str | None = None, ptx_version: str | None = None) -> CudaTarget:

@@ -1,10 +1,9 @@
-"""GPU schedules: one output element (or a small tile) per thread, every reduction inside one thread.
+"""GPU schedules: elementwise work one element per thread; reductions over long rows split across threads
+(partial sums through shared memory); prefill GEMMs tiled through shared memory.
 
-No schedule here communicates between threads (no shared memory, no barriers, no warp shuffles):
-TVM's NVPTX backend, the default direct-PTX path, cannot emit those with the LLVM it ships, and
-one schedule for all three CUDA paths keeps them identical. Long dot products are split across
-threads with `rfactor` (partial sums in a global buffer, then a second kernel adds them), so a
-decode GEMV still spreads over the whole GPU.
+Threads communicate only through shared memory and block barriers, never warp shuffles or
+warp-synchronous code: TVM's NVPTX backend (the default direct-PTX path) cannot emit those, and
+one schedule for all three CUDA paths keeps them identical.
 """
 
 from __future__ import annotations
@@ -15,9 +14,14 @@ from .loops import static_extent
 
 THREADS = 256
 WARP = 32
-# Decode GEMV: split each dot product over up to MAX_SPLIT threads until about TARGET_THREADS run.
-TARGET_THREADS = 64 * 1024
-MAX_SPLIT = 256
+# A reduction is split across threads when each output sums at least this many terms and there are
+# few enough outputs that one thread per output would leave the GPU idle.
+SPLIT_MIN_DEPTH = 64
+SPLIT_MAX_OUTPUTS = 64 * 1024
+LOAD_BYTES = 16  # one vector load per thread per step (ld.global.v4)
+# Prefill GEMM: a thread block computes TILE x TILE outputs, each thread MICRO x MICRO of them in
+# registers, stepping through the depth DEPTH_STEP at a time via shared memory.
+TILE, MICRO, DEPTH_STEP = 64, 4, 16
 
 
 def _bind_spatial(sch: s_tir.Schedule, loops: list) -> None:
@@ -28,52 +32,114 @@ def _bind_spatial(sch: s_tir.Schedule, loops: list) -> None:
     sch.bind(threads, "threadIdx.x")
 
 
-def _thread_per_output(sch: s_tir.Schedule, block) -> None:
-    """Bind the spatial loops of a block straight from a compute definition (loops in iter-var order)."""
+def _split_loops(sch: s_tir.Schedule, block) -> tuple[list, list]:
+    """The block's (spatial, reduction) loops, from a compute definition (loops in iter-var order)."""
     iters = sch.get(block).iter_vars
     loops = sch.get_loops(block)
     spatial = [lp for lp, iv in zip(loops, iters) if iv.iter_type != tirx.IterVar.CommReduce]
-    _bind_spatial(sch, spatial)
+    return spatial, [lp for lp in loops if lp not in spatial]
+
+
+def _thread_per_output(sch: s_tir.Schedule, block) -> None:
+    """One thread per output element; its reduction, if any, runs inside the thread."""
+    _bind_spatial(sch, _split_loops(sch, block)[0])
+
+
+def _split_reduction(sch: s_tir.Schedule, block, vector: int = 1) -> bool:
+    """Spread each output's reduction over up to a warp of threads of one thread block (several outputs per block).
+
+    Thread t of an output sums terms t*v .. t*v+v-1 of every stride of lanes*v terms (neighbouring
+    threads read neighbouring memory; with v > 1 each input's v terms come in one vector load), keeps
+    its partial sum in a register and stores it to shared memory; after a block barrier one thread per
+    output adds the partials. Returns False (leaving the block untouched) when the block has no single
+    static reduction loop worth splitting.
+    """
+    spatial, reduction = _split_loops(sch, block)
+    depth = static_extent(sch, reduction[0]) if len(reduction) == 1 else None
+    outputs = 1
+    for loop in spatial:
+        outputs *= static_extent(sch, loop) or SPLIT_MAX_OUTPUTS
+    if depth is None or depth < SPLIT_MIN_DEPTH or outputs > SPLIT_MAX_OUTPUTS:
+        return False
+    lanes, vector = max(((n, v) for n in (WARP, 16, 8, 4, 2, 1) for v in (vector, vector // 2, vector // 4, 1)
+                         if v >= 1 and depth % (n * v) == 0), key=lambda nv: (nv[0] * nv[1], nv[0]))
+    per_block = next(n for n in (THREADS // lanes, 4, 2, 1) if outputs % n == 0)
+    if len(spatial) > 1:
+        sch.fuse(*spatial)
+    sch.split(reduction[0], [None, lanes, vector])
+    partial = sch.rfactor(sch.get_loops(block)[-2], factor_axis=0)  # partial[lane, outputs...]
+    out, step, lane, element = sch.get_loops(partial)
+    block_of_outputs, out_in_block = sch.split(out, [None, per_block])
+    sch.reorder(block_of_outputs, out_in_block, lane, step, element)
+    sch.bind(block_of_outputs, "blockIdx.x")
+    sch.bind(sch.fuse(out_in_block, lane), "threadIdx.x")
+    if vector > 1:
+        for index in range(len(sch.get(partial).reads)):
+            loads = sch.cache_read(partial, index, "local")
+            sch.compute_at(loads, step)
+            sch.vectorize(sch.get_loops(loads)[-1])
+    sch.set_scope(partial, 0, "shared")
+    sch.reverse_compute_at(sch.cache_write(partial, 0, "local"), sch.get_loops(partial)[1])
+    sch.decompose_reduction(partial, step)
+    sch.reverse_compute_at(block, block_of_outputs)
+    final_lane, *final_outputs = sch.get_loops(block)[1:]  # loops in block-iter order: the partials' lane first
+    final_outputs = final_outputs or [sch.add_unit_loop(block)]  # one output per block: a loop to bind anyway
+    final = sch.fuse(*final_outputs) if len(final_outputs) > 1 else final_outputs[0]
+    sch.reorder(final, final_lane)
+    sch.bind(sch.split(final, [None, per_block * lanes])[1], "threadIdx.x")
+    return True
 
 
 def _generic(sch: s_tir.Schedule) -> None:
     for block in sch.get_child_blocks(sch.get_sblock("root")):
-        _thread_per_output(sch, block)
-
-
-def _split_count(depth: int, outputs: int) -> int:
-    """Threads sharing one dot product: a multiple of a warp dividing `depth`, grown until the GPU is full."""
-    if depth % WARP:
-        return 1
-    split = WARP
-    while split < MAX_SPLIT and depth % (2 * split) == 0 and outputs * split < TARGET_THREADS:
-        split *= 2
-    return split
+        if not _split_reduction(sch, block):
+            _thread_per_output(sch, block)
 
 
 def _linear(sch: s_tir.Schedule) -> None:
-    """Decode GEMV: split-K over a warp of neighbouring elements (coalesced), partial sums then a sum.
-
-    Prefill GEMM: one output per thread, neighbouring threads on neighbouring token rows, so a
-    warp reads each weight element once and shares it.
-    """
+    """Decode GEMV: each dot product split over a warp of vector loads; prefill: a shared-memory tiled GEMM."""
     block = sch.get_sblock("matmul")
     i, j, k = sch.get_loops(block)
     rows, cols, depth = static_extent(sch, i), static_extent(sch, j), static_extent(sch, k)
-    split = _split_count(depth, cols) if rows == 1 else 1
-    if split > 1:
-        _, lane = sch.split(k, [None, split])  # k = step * split + lane: lanes read adjacent elements
-        partial = sch.rfactor(lane, factor_axis=0)
-        pi, pj, step, plane = sch.get_loops(partial)
-        sch.reorder(pi, pj, plane, step)
-        _bind_spatial(sch, [pi, pj, plane])
-        fi, fj, _ = sch.get_loops(block)
-        _bind_spatial(sch, [fi, fj])
-    else:
-        sch.reorder(j, i, k)
-        _bind_spatial(sch, [j, i])
-    for consumer in sch.get_consumers(block):
+    weight = sch.get(block).reads[1].source.dtype
+    consumers = sch.get_consumers(block)  # the bias add, if any
+    if not (rows % MICRO == 0 and cols % TILE == 0 and depth % DEPTH_STEP == 0 and rows >= 16 and _gemm(sch, block)):
+        if not _split_reduction(sch, block, vector=LOAD_BYTES // (2 if weight in ("bfloat16", "float16") else 4)):
+            _thread_per_output(sch, block)
+    for consumer in consumers:
         _bind_spatial(sch, sch.get_loops(consumer))
+
+
+def _gemm(sch: s_tir.Schedule, block) -> bool:
+    """Shared-memory tiled GEMM: per depth step, all threads of a block copy its rows of x and columns of w (in
+    their own dtype, depth-major so neighbouring threads read nearby banks) to shared memory, then each
+    thread accumulates a MICRO x MICRO patch of outputs in registers."""
+    i, j, k = sch.get_loops(block)
+    rows = static_extent(sch, i)
+    tile_rows = next(t for t in (TILE, 32, 16) if rows % t == 0)
+    i_block, i_thread, i_micro = sch.split(i, [None, tile_rows // MICRO, MICRO])
+    j_block, j_thread, j_micro = sch.split(j, [None, TILE // MICRO, MICRO])
+    k_step, k_inner = sch.split(k, [None, DEPTH_STEP])
+    sch.reorder(i_block, j_block, i_thread, j_thread, k_step, k_inner, i_micro, j_micro)
+    sch.bind(i_block, "blockIdx.y")
+    sch.bind(j_block, "blockIdx.x")
+    sch.bind(i_thread, "threadIdx.y")
+    sch.bind(j_thread, "threadIdx.x")
+    register = sch.cache_write(block, 0, "local")
+    sch.reverse_compute_at(register, j_thread)
+    for index in (0, 1):
+        tile = sch.cache_read(block, index, "shared")
+        sch.compute_at(tile, k_step)
+        sch.transform_layout(tile, ("write", 0), lambda r, d: (d, r))
+        fused = sch.fuse(*sch.get_loops(tile)[-2:])
+        _, ty, tx = sch.split(fused, [None, tile_rows // MICRO, TILE // MICRO])
+        sch.bind(ty, "threadIdx.y")
+        sch.bind(tx, "threadIdx.x")
+    sch.unroll(k_inner)
+    sch.unroll(i_micro)
+    sch.unroll(j_micro)
+    sch.decompose_reduction(block, k_step)
+    return True
 
 
 SCHEDULES = {"linear": _linear}

@@ -209,7 +209,7 @@ def test_every_op_compiles_to_ptx_through_the_direct_path(kind, types, attrs, tm
     target = cuda_target("sm_90", "ptx")
     cuda.prepare_environment()
     func = gpu.schedule(make_kernel(kind, types, attrs).func, kind)
-    device = tvm.compile(func, target.tvm_target()).mod.imports[0]
+    device = tvm.compile(func, target.tvm_target(), tir_pipeline=target.tir_pipeline()).mod.imports[0]
     ptx = cuda.finish_ptx(device.inspect_source("ptx"), [], None)
     names = re.findall(r"^\.visible \.func (\w+_kernel(?:_\d+)?)\(", ptx, re.M)
     ptx_file = tmp_path / "k.ptx"
@@ -231,3 +231,39 @@ def test_batched_steps_build_for_cuda(checkpoints, tmp_path, arch_name):
     assembled = subprocess.run(["ptxas", "-arch=sm_90", str(out / "kernels.ptx"), "-o", "/dev/null"],
                                capture_output=True, text=True)
     assert assembled.returncode == 0, assembled.stderr
+
+
+@pytest.mark.parametrize("rows,uses", [(1, "split"), (64, "tiles")])
+def test_direct_path_reduces_across_threads_through_shared_memory(rows, uses):
+    """Decode GEMV: dot products split over threads, partial sums through shared memory and a block barrier;
+    prefill GEMM: x and w tiles staged in shared memory between barriers. Both through the direct path."""
+    import tvm
+
+    from compiler.kernels import make_kernel
+    from schedules import gpu
+
+    target = cuda_target("sm_90", "ptx")
+    cuda.prepare_environment()
+    kernel = make_kernel("linear", [_t((rows, 256)), _t((128, 256), "bfloat16")], {})
+    ptx = tvm.compile(gpu.schedule(kernel.func, "linear"), target.tvm_target(),
+                      tir_pipeline=target.tir_pipeline()).mod.imports[0].inspect_source("ptx")
+    shared = re.findall(r"^\.(?:visible|extern) \.shared .*?\[(\d+)\];", ptx, re.M)
+    assert shared and "bar.sync" in ptx and "st.shared" in ptx and "ld.shared" in ptx
+    if uses == "tiles":  # an x tile (f32) and a w tile (bf16) of DEPTH_STEP x TILE each
+        assert sum(map(int, shared)) >= gpu.DEPTH_STEP * gpu.TILE * (4 + 2)
+
+
+def test_direct_path_refuses_a_warp_synchronous_reduction():
+    import tvm
+    from tvm import s_tir
+
+    from compiler.kernels import make_kernel
+
+    target = cuda_target("sm_90", "ptx")
+    cuda.prepare_environment()
+    sch = s_tir.Schedule(make_kernel("linear", [_t((1, 256)), _t((8, 256))], {}).func)
+    _, j, k = sch.get_loops(sch.get_sblock("matmul"))
+    sch.bind(j, "blockIdx.x")
+    sch.bind(sch.split(k, [None, 32])[1], "threadIdx.x")  # TVM lowers this to a warp-synchronous tree
+    with pytest.raises(Exception, match="needs a warp-synchronous reduction"):
+        tvm.compile(sch.mod["main"], target.tvm_target(), tir_pipeline=target.tir_pipeline())

@@ -53,3 +53,47 @@ def test_gpu_greedy_tokens_equal_cpu(models):
     gpu, cpu, _ = models
     config = GreedyGenerationConfig(32, eos_token_ids=[])
     assert generate(gpu, [5, 6, 7], config).generated_token_ids == generate(cpu, [5, 6, 7], config).generated_token_ids
+
+
+KERNEL_CASES = {  # real Qwen2.5-0.5B widths: decode GEMV, prefill GEMM with bias, a norm over one row and many
+    "gemv": ("linear", [((1, 896), "float32"), ((4864, 896), "bfloat16")], {}),
+    "gemm-bias": ("linear", [((64, 896), "float32"), ((1152, 896), "bfloat16"), ((1152,), "bfloat16")], {}),
+    "gemm-f32": ("linear", [((32, 4864), "float32"), ((896, 4864), "float32")], {}),
+    "norm-decode": ("rms_norm", [((1, 896), "float32"), ((896,), "bfloat16")], {"eps": 1e-6}),
+    "norm-prefill": ("add_rms_norm", [((16, 896), "float32"), ((16, 896), "float32"), ((896,), "float32")],
+                     {"eps": 1e-6}),
+}
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("case", sorted(KERNEL_CASES))
+def test_gpu_kernels_match_the_cpu_kernels(case, compiler):
+    """Each GPU schedule (split reductions through shared memory, tiled GEMM) against the same kernel on the CPU."""
+    import ml_dtypes
+
+    from compiler import cuda
+    from compiler.kernels import make_kernel
+    from compiler.target import cpu_target
+    from ir import OPS, TensorType, infer_types
+    from schedules import cpu, gpu
+
+    kind, shapes, attrs = KERNEL_CASES[case]
+    types = [TensorType(shape, dtype) for shape, dtype in shapes]
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal(t.shape).astype(np.float32).astype(ml_dtypes.bfloat16 if t.dtype == "bfloat16"
+                                                                      else np.float32) for t in types]
+    every = infer_types(kind, types, attrs)
+    outs = [o for o, src in zip(every, OPS[kind].sources(len(every))) if src < 0]
+    target, host = cuda.cuda_target("sm_90", compiler), cpu_target()
+    cuda.prepare_environment()
+    results = []
+    for func, tgt, dev, pipeline in ((gpu.schedule(make_kernel(kind, types, attrs).func, kind), target.tvm_target(),
+                                      tvm.cuda(0), target.tir_pipeline()),
+                                     (cpu.schedule(make_kernel(kind, types, attrs).func, kind, host.lanes),
+                                      host.tvm_target(), tvm.cpu(), "default")):
+        lib = tvm.compile(func, tgt, tir_pipeline=pipeline)
+        args = [tvm.runtime.tensor(x, dev) for x in inputs] + [tvm.runtime.empty(o.shape, o.dtype, dev) for o in outs]
+        lib.mod["main"](*args)
+        results.append([a.numpy() for a in args[len(inputs):]])
+    for got, want in zip(*results):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
