@@ -101,16 +101,17 @@ def _linear(sch: s_tir.Schedule) -> None:
     block = sch.get_sblock("matmul")
     i, j, k = sch.get_loops(block)
     rows, cols, depth = static_extent(sch, i), static_extent(sch, j), static_extent(sch, k)
-    weight = sch.get(block).reads[1].source.dtype
+    vector = LOAD_BYTES // (2 if sch.get(block).reads[1].source.dtype in ("bfloat16", "float16") else 4)
     consumers = sch.get_consumers(block)  # the bias add, if any
-    if not (rows % MICRO == 0 and cols % TILE == 0 and depth % DEPTH_STEP == 0 and rows >= 16 and _gemm(sch, block)):
-        if not _split_reduction(sch, block, vector=LOAD_BYTES // (2 if weight in ("bfloat16", "float16") else 4)):
-            _thread_per_output(sch, block)
+    if rows >= 16 and rows % MICRO == 0 and cols % TILE == 0 and depth % DEPTH_STEP == 0:
+        _gemm(sch, block)
+    elif not _split_reduction(sch, block, vector):
+        _thread_per_output(sch, block)
     for consumer in consumers:
         _bind_spatial(sch, sch.get_loops(consumer))
 
 
-def _gemm(sch: s_tir.Schedule, block) -> bool:
+def _gemm(sch: s_tir.Schedule, block) -> None:
     """Shared-memory tiled GEMM: per depth step, all threads of a block copy its rows of x and columns of w (in
     their own dtype, depth-major so neighbouring threads read nearby banks) to shared memory, then each
     thread accumulates a MICRO x MICRO patch of outputs in registers."""
@@ -139,7 +140,6 @@ def _gemm(sch: s_tir.Schedule, block) -> bool:
     sch.unroll(i_micro)
     sch.unroll(j_micro)
     sch.decompose_reduction(block, k_step)
-    return True
 
 
 SCHEDULES = {"linear": _linear}
