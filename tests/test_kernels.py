@@ -74,7 +74,7 @@ def test_add_rms_norm(rows, hidden):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("rows,k,n", [(1, 64, 48), (9, 32, 20), (4, 40, 16)])
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 48), (1, 96, 14), (1, 64, 7), (1, 40, 16), (9, 32, 20), (4, 40, 16)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear(dtype, rows, k, n, bias):
     inputs = [rand(rows, k), rand(n, k, dtype=dtype, scale=k ** -0.5)] + ([rand(n, dtype=dtype)] if bias else [])
