@@ -238,7 +238,9 @@ def _norm(sch: s_tir.Schedule, lanes: int) -> None:
 
 
 def _attention(sch: s_tir.Schedule, lanes: int) -> None:
-    """One task per query head: every softmax stage of that head computed where it is consumed."""
+    """One task per query head, every softmax stage computed where it is consumed; query-key dot products as
+    vector FMAs over the head dimension (one horizontal sum per score), the weighted sum of values
+    vectorised over the head dimension too."""
     sch.compute_inline(sch.get_sblock("masked"))
     out = sch.get_sblock("attention")
     row, col = sch.get_loops(out)
@@ -246,14 +248,38 @@ def _attention(sch: s_tir.Schedule, lanes: int) -> None:
     head, lane = sch.split(col, [None, head_dim])
     sch.reorder(head, row, lane)
     sch.parallel(head)
-    for stage in ("weighted", "row_sum", "exp", "row_max", "scores"):
-        sch.compute_at(sch.get_sblock(stage), head)
+    vector = head_dim % lanes == 0
+    if vector:
+        scores = sch.get_sblock("scores")
+        partial = sch.rfactor(sch.split(sch.get_loops(scores)[-1], [None, lanes])[1], factor_axis=3)
+    for stage in ("weighted", "row_sum", "exp", "row_max", "scores") + (("scores_rf",) if vector else ()):
+        sch.compute_at(sch.get_sblock(stage), head, preserve_unit_loops=True)
+    if vector:
+        _vector_dots(sch, scores, partial)
+        sch.vectorize(sch.split(lane, [None, lanes])[1])
     weighted = sch.get_sblock("weighted")
     w_col, w_ctx = sch.get_loops(weighted)[-2:]
     sch.reorder(w_ctx, w_col)
+    if vector:
+        sch.vectorize(sch.split(w_col, [None, lanes])[1])
     sch.decompose_reduction(weighted, w_ctx)
-    if head_dim % lanes == 0:
-        sch.vectorize(sch.split(lane, [None, lanes])[1])
+
+
+def _by_iter(sch: s_tir.Schedule, block) -> list:
+    """The block's innermost loops, one per block iter in iter order (valid after compute_at with unit loops kept)."""
+    iters = sch.get(block).iter_vars
+    return sch.get_loops(block)[-len(iters):]
+
+
+def _vector_dots(sch: s_tir.Schedule, scores, partial) -> None:
+    """Each score's `lanes` partial sums computed right before the score adds them (in registers, not memory)."""
+    lane, _, row, position = _by_iter(sch, scores)  # iters: lanes reduced, head, row, position
+    sch.reorder(row, position, lane)
+    sch.compute_at(partial, position, preserve_unit_loops=True)
+    simd, _, _, _, step = _by_iter(sch, partial)  # iters: lane, head, row, position, depth step
+    sch.reorder(step, simd)
+    sch.vectorize(simd)
+    sch.decompose_reduction(partial, step)
 
 
 SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "attention": _attention,
