@@ -120,6 +120,7 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
     buckets = resolve_buckets(prefill_buckets, context_buckets, config.max_position_embeddings, batch_rows, kv_pages,
                               kv_block)
     out = Path(out) if out is not None else default_artifact_dir(model_dir, target)
+    signatures = kernel_signatures(program, buckets)
     manifest = {
         "format": FORMAT,
         "built_from": str(Path(model_dir).resolve()),
@@ -137,7 +138,7 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
         "cache": _state_tensors(program.entries["decode"], {}),
         "vocab_size": config.vocab_size,
         "functions": [name for name, _, _ in buckets.functions()],
-        "kernels": [sig.name for sig in kernel_signatures(program, buckets)],
+        "kernels": [sig.name for sig in signatures],
     }
     if buckets.batch_rows:
         step = program.entries["step"]
@@ -150,7 +151,7 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
 
     progress = (lambda it: it) if quiet else (lambda it: tqdm(it, desc="scheduling kernels", unit="kernel"))
     scan_lanes = tgt.lanes if isinstance(tgt, CpuTarget) else 1
-    module = lower_program(program, buckets, _scheduler(tgt), progress, scan_lanes)
+    module = lower_program(program, buckets, signatures, _scheduler(tgt), progress, scan_lanes)
     if not quiet:
         print(f"compiling {len(manifest['kernels'])} kernels and {len(manifest['functions'])} step functions "
               f"for {_describe(tgt)}...", flush=True)

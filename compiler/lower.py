@@ -85,13 +85,14 @@ def kernel_signatures(program: Program, buckets: Buckets) -> list[KernelSignatur
     return list(seen)
 
 
-def lower_program(program: Program, buckets: Buckets, schedule: Callable[[Kernel, str], Kernel],
-                  progress: Callable[[Iterable], Iterable] = iter, scan_lanes: int = 1) -> tvm.IRModule:
-    """The Relax module for all buckets; `schedule` turns each kernel into its target's form (`scan_lanes`:
-    see compiler.kernels.make_kernel)."""
+def lower_program(program: Program, buckets: Buckets, signatures: list[KernelSignature],
+                  schedule: Callable[[Kernel, str], Kernel], progress: Callable[[Iterable], Iterable] = iter,
+                  scan_lanes: int = 1) -> tvm.IRModule:
+    """The Relax module for all buckets, given their `kernel_signatures`; `schedule` turns each kernel into its
+    target's form (`scan_lanes`: see compiler.kernels.make_kernel)."""
     bb = relax.BlockBuilder()
     kernels = {}
-    for sig in progress(kernel_signatures(program, buckets)):
+    for sig in progress(signatures):
         kernel = schedule(make_kernel(sig.kind, list(sig.types), json.loads(sig.attrs_json), scan_lanes), sig.kind)
         kernels[sig] = (bb.add_func(kernel.func.with_attr("global_symbol", sig.name), sig.name), kernel.constants)
     param_types = [p.type for p in program.params.values()]
