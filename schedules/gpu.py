@@ -55,14 +55,19 @@ def _split_reduction(sch: s_tir.Schedule, block, vector: int = 1) -> bool:
     static reduction loop worth splitting.
     """
     spatial, reduction = _split_loops(sch, block)
-    depth = static_extent(sch, reduction[0]) if len(reduction) == 1 else None
     outputs = 1
     for loop in spatial:
-        outputs *= static_extent(sch, loop) or SPLIT_MAX_OUTPUTS
-    if depth is None or depth < SPLIT_MIN_DEPTH or outputs > SPLIT_MAX_OUTPUTS:
+        outputs *= static_extent(sch, loop) or SPLIT_MAX_OUTPUTS + 1
+    if len(reduction) != 1 or outputs > SPLIT_MAX_OUTPUTS:
         return False
-    lanes, vector = max(((n, v) for n in (WARP, 16, 8, 4, 2, 1) for v in (vector, vector // 2, vector // 4, 1)
-                         if v >= 1 and depth % (n * v) == 0), key=lambda nv: (nv[0] * nv[1], nv[0]))
+    depth = static_extent(sch, reduction[0])
+    if depth is None:  # a length known at run time (the valid context): a warp of lanes, the last step masked
+        lanes, vector = WARP, 1
+    elif depth < SPLIT_MIN_DEPTH:
+        return False
+    else:
+        lanes, vector = max(((n, v) for n in (WARP, 16, 8, 4, 2, 1) for v in (vector, vector // 2, vector // 4, 1)
+                             if v >= 1 and depth % (n * v) == 0), key=lambda nv: (nv[0] * nv[1], nv[0]))
     per_block = next(n for n in (THREADS // lanes, 4, 2, 1) if outputs % n == 0)
     if len(spatial) > 1:
         sch.fuse(*spatial)

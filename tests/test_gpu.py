@@ -55,13 +55,15 @@ def test_gpu_greedy_tokens_equal_cpu(models):
     assert generate(gpu, [5, 6, 7], config).generated_token_ids == generate(cpu, [5, 6, 7], config).generated_token_ids
 
 
-KERNEL_CASES = {  # real Qwen2.5-0.5B widths: decode GEMV, prefill GEMM with bias, a norm over one row and many
+KERNEL_CASES = {  # real Qwen2.5-0.5B widths (ints: scalar inputs): decode GEMV, prefill GEMM with bias, norms, attention
     "gemv": ("linear", [((1, 896), "float32"), ((4864, 896), "bfloat16")], {}),
     "gemm-bias": ("linear", [((64, 896), "float32"), ((1152, 896), "bfloat16"), ((1152,), "bfloat16")], {}),
     "gemm-f32": ("linear", [((32, 4864), "float32"), ((896, 4864), "float32")], {}),
     "norm-decode": ("rms_norm", [((1, 896), "float32"), ((896,), "bfloat16")], {"eps": 1e-6}),
     "norm-prefill": ("add_rms_norm", [((16, 896), "float32"), ((16, 896), "float32"), ((896,), "float32")],
                      {"eps": 1e-6}),
+    "attention-decode": ("attention", [((1, 896), "float32"), ((4096, 128), "float32"), ((4096, 128), "float32"),
+                                       3001, 1], {"num_heads": 14, "num_kv_heads": 2, "head_dim": 64, "scale": 0.125}),
 }
 
 
@@ -77,11 +79,11 @@ def test_gpu_kernels_match_the_cpu_kernels(case, compiler):
     from ir import OPS, TensorType, infer_types
     from schedules import cpu, gpu
 
-    kind, shapes, attrs = KERNEL_CASES[case]
-    types = [TensorType(shape, dtype) for shape, dtype in shapes]
+    kind, specs, attrs = KERNEL_CASES[case]
+    types = [TensorType((), "int32") if isinstance(spec, int) else TensorType(*spec) for spec in specs]
     rng = np.random.default_rng(0)
-    inputs = [rng.standard_normal(t.shape).astype(np.float32).astype(ml_dtypes.bfloat16 if t.dtype == "bfloat16"
-                                                                      else np.float32) for t in types]
+    inputs = [spec if isinstance(spec, int) else rng.standard_normal(spec[0]).astype(np.float32).astype(
+        ml_dtypes.bfloat16 if spec[1] == "bfloat16" else np.float32) for spec in specs]
     every = infer_types(kind, types, attrs)
     outs = [o for o, src in zip(every, OPS[kind].sources(len(every))) if src < 0]
     target, host = cuda.cuda_target("sm_90", compiler), cpu_target()
@@ -92,7 +94,8 @@ def test_gpu_kernels_match_the_cpu_kernels(case, compiler):
                                      (cpu.schedule(make_kernel(kind, types, attrs).func, kind, host.lanes),
                                       host.tvm_target(), tvm.cpu(), "default")):
         lib = tvm.compile(func, tgt, tir_pipeline=pipeline)
-        args = [tvm.runtime.tensor(x, dev) for x in inputs] + [tvm.runtime.empty(o.shape, o.dtype, dev) for o in outs]
+        args = [x if isinstance(x, int) else tvm.runtime.tensor(x, dev) for x in inputs] + \
+            [tvm.runtime.empty(o.shape, o.dtype, dev) for o in outs]
         lib.mod["main"](*args)
         results.append([a.numpy() for a in args[len(inputs):]])
     for got, want in zip(*results):
