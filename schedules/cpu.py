@@ -83,8 +83,8 @@ def _decode_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     shape does not fit it.
 
     Tasks of 4 weight rows run across the cores; each step reads 2 x `lanes` elements of every row of
-    the task, widened in registers, into two accumulators per row, and prefetches the same elements of
-    the next task's rows, which follow in memory (the hardware prefetcher alone leaves a core well short
+    the task, widened in registers, into two accumulators per row, and prefetches (into L2) the same elements
+    of the next task's rows, which follow in memory (the hardware prefetcher alone leaves a core well short
     of its share of memory bandwidth on 16-bit weights; on float32 weights it keeps up, and the scheduled
     `_gemv` is as fast). Schedule primitives cannot insert prefetches, so this loop nest is written
     out; it computes the sums of `compiler.kernels.linear` in another order.
@@ -106,7 +106,7 @@ def _decode_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
             for s in range(k // step):
                 for c in T.unroll(cols):
                     T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                        flat[T.min(((task + 1) * cols + c) * k + s * step, n * k - 1)]), 0, 3, 1))
+                        flat[T.min(((task + 1) * cols + c) * k + s * step, n * k - 1)]), 0, 2, 1))  # into L2
                     for h in T.unroll(2):
                         for lane in T.vectorized(lanes):
                             acc[c, h, lane] = acc[c, h, lane] + xs[0, s * step + h * lanes + lane] * T.Cast(
