@@ -78,17 +78,18 @@ class CudaTarget:
 
 @tirx.transform.prim_func_pass(opt_level=0, name="NvptxBarriers")
 def _nvptx_barriers(func, mod, ctx):
-    """Block barriers as the NVVM intrinsic call LLVM 22 verifies; a warp barrier is an error naming the kernel."""
+    """Block barriers as the NVVM intrinsic call LLVM 22 verifies; any other barrier is an error naming the kernel."""
     sync = tvm.ir.Op.get("tirx.tvm_storage_sync")
 
     def rewrite(call):
         if not call.op.same_as(sync):
             return call
         scope = call.args[0].value
-        if scope == "warp":
-            raise CudaBuildError(f"kernel {func.attrs['global_symbol']} needs a warp-synchronous reduction, which the "
-                                 "NVPTX backend cannot emit (reduce across threads through shared memory instead)")
-        return tirx.call_llvm_intrin("void", BLOCK_BARRIER, tirx.const(0, "int32"))
+        if scope in ("shared", "shared.dyn"):
+            return tirx.call_llvm_intrin("void", BLOCK_BARRIER, tirx.const(0, "int32"))
+        what = "a warp-synchronous reduction" if scope == "warp" else f"a {scope!r} barrier"
+        raise CudaBuildError(f"kernel {func.attrs['global_symbol']} needs {what}, which the NVPTX backend cannot "
+                             "emit (reduce across threads through shared memory instead)")
 
     return tvm_ffi.structural_map(func, [(tvm.ir.expr.Call, rewrite)])
 

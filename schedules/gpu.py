@@ -51,8 +51,8 @@ def _split_reduction(sch: s_tir.Schedule, block, vector: int = 1) -> bool:
     Thread t of an output sums terms t*v .. t*v+v-1 of every stride of lanes*v terms (neighbouring
     threads read neighbouring memory; with v > 1 each input's v terms come in one vector load), keeps
     its partial sum in a register and stores it to shared memory; after a block barrier one thread per
-    output adds the partials. Returns False (leaving the block untouched) when the block has no single
-    static reduction loop worth splitting.
+    output adds the partials. Returns False (leaving the block untouched) unless the block has one
+    reduction loop worth splitting and few enough outputs.
     """
     spatial, reduction = _split_loops(sch, block)
     outputs = 1
