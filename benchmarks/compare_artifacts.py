@@ -13,24 +13,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-import numpy as np
-
+from benchmarks.cpu_generate import runtime_steps, timed_generation
 from runtime import CompiledModel
 from runtime.cpu import use_all_cores
-
-
-def one_run(model: CompiledModel, tokens: int) -> tuple[float, float]:
-    """(prefill tokens/s, decode tokens/s) of one prompt and its greedy continuation."""
-    cache = model.new_cache(2 * tokens)
-    start = time.perf_counter()
-    token = int(np.argmax(model.forward(list(range(100, 100 + tokens)), cache)))
-    prefill = tokens / (time.perf_counter() - start)
-    start = time.perf_counter()
-    for _ in range(tokens - 1):
-        token = int(np.argmax(model.forward([token], cache)))
-    return prefill, (tokens - 1) / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -42,11 +28,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     args = parser.parse_args()
     use_all_cores()
-    models = {path: CompiledModel(args.model_dir, path) for path in args.artifacts}
-    runs: dict[str, list[tuple[float, float]]] = {path: [] for path in models}
+    prompt = list(range(100, 100 + args.tokens))
+    steps = {path: runtime_steps(CompiledModel(args.model_dir, path), prompt) for path in args.artifacts}
+    runs: dict[str, list[tuple[float, float]]] = {path: [] for path in steps}
     for round_ in range(args.rounds):
-        for path, model in models.items():
-            runs[path].append(one_run(model, args.tokens))
+        for path, (prefill, decode) in steps.items():
+            runs[path].append(timed_generation(prefill, decode, args.tokens, runs=1))
             print(f"round {round_}  {path}  prefill {runs[path][-1][0]:.1f}  decode {runs[path][-1][1]:.2f} tok/s",
                   flush=True)
     for path, results in runs.items():

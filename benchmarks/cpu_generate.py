@@ -77,17 +77,21 @@ def ours(model_dir: Path, args, prompt: list[int], threads: int):
 
     artifact = build(model_dir, out=f"{args.work}/{model_dir.name}.llvm", prefill_buckets=(args.tokens,),
                      context_buckets=(2 * args.tokens,), quiet=True).path
-    model = CompiledModel(model_dir, artifact)
+    yield "ours (llvm artifact)", *runtime_steps(CompiledModel(model_dir, artifact), prompt)
+
+
+def runtime_steps(model, prompt: list[int]):
+    """(prefill, decode) for `timed_generation` on a CompiledModel: a fresh cache of twice the prompt, greedy steps."""
 
     def prefill():
-        cache = model.new_cache(2 * args.tokens)
+        cache = model.new_cache(2 * len(prompt))
         return cache, int(np.argmax(model.forward(prompt, cache)))
 
     def decode(state):
         cache, token = state
         return cache, int(np.argmax(model.forward([token], cache)))
 
-    yield "ours (llvm artifact)", prefill, decode
+    return prefill, decode
 
 
 @contextmanager
