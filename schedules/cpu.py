@@ -8,7 +8,7 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
-from .loops import static_extent
+from .loops import split_loops, static_extent
 
 
 def _is_reduction(sch: s_tir.Schedule, block) -> bool:
@@ -31,9 +31,7 @@ def _spatial(sch: s_tir.Schedule, block, lanes: int) -> None:
 
 def _reduction(sch: s_tir.Schedule, block) -> None:
     """Run the spatial loops of a reduction on the cores; the reduction stays serial per row."""
-    block_iters = sch.get(block).iter_vars
-    loops = sch.get_loops(block)
-    spatial = [lp for lp, iv in zip(loops, block_iters) if iv.iter_type != tirx.IterVar.CommReduce]
+    spatial, _ = split_loops(sch, block)
     if spatial:
         sch.parallel(sch.fuse(*spatial) if len(spatial) > 1 else spatial[0])
 

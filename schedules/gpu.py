@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 
-from .loops import static_extent
+from .loops import split_loops, static_extent
 
 THREADS = 256
 WARP = 32
@@ -32,17 +32,9 @@ def _bind_spatial(sch: s_tir.Schedule, loops: list) -> None:
     sch.bind(threads, "threadIdx.x")
 
 
-def _split_loops(sch: s_tir.Schedule, block) -> tuple[list, list]:
-    """The block's (spatial, reduction) loops, from a compute definition (loops in iter-var order)."""
-    iters = sch.get(block).iter_vars
-    loops = sch.get_loops(block)
-    spatial = [lp for lp, iv in zip(loops, iters) if iv.iter_type != tirx.IterVar.CommReduce]
-    return spatial, [lp for lp in loops if lp not in spatial]
-
-
 def _thread_per_output(sch: s_tir.Schedule, block) -> None:
     """One thread per output element; its reduction, if any, runs inside the thread."""
-    _bind_spatial(sch, _split_loops(sch, block)[0])
+    _bind_spatial(sch, split_loops(sch, block)[0])
 
 
 def _split_reduction(sch: s_tir.Schedule, block, vector: int = 1) -> bool:
@@ -54,7 +46,7 @@ def _split_reduction(sch: s_tir.Schedule, block, vector: int = 1) -> bool:
     output adds the partials. Returns False (leaving the block untouched) unless the block has one
     reduction loop worth splitting and few enough outputs.
     """
-    spatial, reduction = _split_loops(sch, block)
+    spatial, reduction = split_loops(sch, block)
     outputs = 1
     for loop in spatial:
         outputs *= static_extent(sch, loop) or SPLIT_MAX_OUTPUTS + 1
