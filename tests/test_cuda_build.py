@@ -194,6 +194,15 @@ GPU_CASES = [(kind, *OP_SAMPLES[kind]) for kind in sorted(OP_SAMPLES)] + [
     ("gated_delta_rule", [_t((1, 64)), _t((1, 96)), _t((1, 4, 2)), _t((4, 16, 8))], RECURRENT)]
 
 
+def direct_ptx(func) -> str:
+    """The PTX the direct path (sm_90) makes of one scheduled kernel."""
+    import tvm
+
+    target = cuda_target("sm_90", "ptx")
+    cuda.prepare_environment()
+    return tvm.compile(func, target.tvm_target(), tir_pipeline=target.tir_pipeline()).mod.imports[0].inspect_source("ptx")
+
+
 def test_every_op_has_a_gpu_sample():
     from ir import OPS
     assert set(OP_SAMPLES) == set(OPS)
@@ -201,16 +210,10 @@ def test_every_op_has_a_gpu_sample():
 
 @pytest.mark.parametrize("kind,types,attrs", GPU_CASES)
 def test_every_op_compiles_to_ptx_through_the_direct_path(kind, types, attrs, tmp_path):
-    import tvm
-
     from compiler.kernels import make_kernel
     from schedules import gpu
 
-    target = cuda_target("sm_90", "ptx")
-    cuda.prepare_environment()
-    func = gpu.schedule(make_kernel(kind, types, attrs).func, kind)
-    device = tvm.compile(func, target.tvm_target(), tir_pipeline=target.tir_pipeline()).mod.imports[0]
-    ptx = cuda.finish_ptx(device.inspect_source("ptx"), [], None)
+    ptx = cuda.finish_ptx(direct_ptx(gpu.schedule(make_kernel(kind, types, attrs).func, kind)), [], None)
     names = re.findall(r"^\.visible \.func (\w+_kernel(?:_\d+)?)\(", ptx, re.M)
     ptx_file = tmp_path / "k.ptx"
     ptx_file.write_text(cuda.finish_ptx(ptx, names, None))
@@ -237,16 +240,11 @@ def test_batched_steps_build_for_cuda(checkpoints, tmp_path, arch_name):
 def test_direct_path_reduces_across_threads_through_shared_memory(rows, uses):
     """Decode GEMV: dot products split over threads, partial sums through shared memory and a block barrier;
     prefill GEMM: x and w tiles staged in shared memory between barriers. Both through the direct path."""
-    import tvm
-
     from compiler.kernels import make_kernel
     from schedules import gpu
 
-    target = cuda_target("sm_90", "ptx")
-    cuda.prepare_environment()
-    kernel = make_kernel("linear", [_t((rows, 256)), _t((128, 256), "bfloat16")], {})
-    ptx = tvm.compile(gpu.schedule(kernel.func, "linear"), target.tvm_target(),
-                      tir_pipeline=target.tir_pipeline()).mod.imports[0].inspect_source("ptx")
+    ptx = direct_ptx(gpu.schedule(make_kernel("linear", [_t((rows, 256)), _t((128, 256), "bfloat16")], {}).func,
+                                  "linear"))
     shared = re.findall(r"^\.(?:visible|extern) \.shared .*?\[(\d+)\];", ptx, re.M)
     assert shared and "bar.sync" in ptx and "st.shared" in ptx and "ld.shared" in ptx
     if uses == "tiles":  # an x tile (f32) and a w tile (bf16) of DEPTH_STEP x TILE each
@@ -254,16 +252,26 @@ def test_direct_path_reduces_across_threads_through_shared_memory(rows, uses):
 
 
 def test_direct_path_refuses_a_warp_synchronous_reduction():
-    import tvm
     from tvm import s_tir
 
     from compiler.kernels import make_kernel
 
-    target = cuda_target("sm_90", "ptx")
-    cuda.prepare_environment()
     sch = s_tir.Schedule(make_kernel("linear", [_t((1, 256)), _t((8, 256))], {}).func)
     _, j, k = sch.get_loops(sch.get_sblock("matmul"))
     sch.bind(j, "blockIdx.x")
     sch.bind(sch.split(k, [None, 32])[1], "threadIdx.x")  # TVM lowers this to a warp-synchronous tree
     with pytest.raises(Exception, match="needs a warp-synchronous reduction"):
-        tvm.compile(sch.mod["main"], target.tvm_target(), tir_pipeline=target.tir_pipeline())
+        direct_ptx(sch.mod["main"])
+
+
+def test_direct_path_refuses_a_barrier_other_than_the_block_one():
+    from tvm.script import tirx as T
+
+    @T.prim_func
+    def grid_sync(a: T.Buffer((64,), "float32")):
+        for i in T.thread_binding(64, thread="threadIdx.x"):
+            a[i] = T.float32(1)
+            T.tvm_storage_sync("global")
+
+    with pytest.raises(Exception, match="needs a 'global' barrier, which the NVPTX backend cannot emit"):
+        direct_ptx(grid_sync)
