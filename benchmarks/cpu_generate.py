@@ -8,7 +8,8 @@ makes a random-weight checkpoint in Hugging Face format (benchmarks/checkpoints.
 llvm, measures this machine's memory read bandwidth (numpy max, one share of 1 GiB per core), then times,
 one after another in this process with the same number of threads (every core it may use):
 
-- ours: the compiled artifact through CompiledModel;
+- ours: the compiled artifact through CompiledModel; for bfloat16 also one built with --matmul-precision bfloat16
+  (prefill products on AMX tiles; a row with the reason where this CPU has none);
 - transformers (torch CPU, the checkpoint's dtype);
 - llama.cpp through llama-cpp-python, on the checkpoint converted to GGUF by the converter from
   llama-cpp-python's sdist (F32 for float32; BF16 and F16 for bfloat16; F16 for float16).
@@ -70,14 +71,23 @@ def timed_generation(prefill_fn, decode_fn, tokens: int, runs: int) -> tuple[flo
 
 
 @contextmanager
-def ours(model_dir: Path, args, prompt: list[int], threads: int):
+def ours(model_dir: Path, args, prompt: list[int], threads: int, matmul_precision: str = "float32"):
     """Our runtime: (label, prefill, decode) on an artifact built for this shape and prompt length."""
     from compiler.build import build
     from runtime import CompiledModel
 
-    artifact = build(model_dir, out=f"{args.work}/{model_dir.name}.llvm", prefill_buckets=(args.tokens,),
-                     context_buckets=(2 * args.tokens,), quiet=True).path
-    yield "ours (llvm artifact)", *runtime_steps(CompiledModel(model_dir, artifact), prompt)
+    amx = matmul_precision == "bfloat16"
+    artifact = build(model_dir, out=f"{args.work}/{model_dir.name}{'.amx' if amx else ''}.llvm",
+                     prefill_buckets=(args.tokens,), context_buckets=(2 * args.tokens,),
+                     matmul_precision=matmul_precision, quiet=True).path
+    label = "ours (llvm artifact, bf16 prefill products on AMX)" if amx else "ours (llvm artifact)"
+    yield label, *runtime_steps(CompiledModel(model_dir, artifact), prompt)
+
+
+def ours_amx(model_dir: Path, args, prompt: list[int], threads: int):
+    """Ours built with --matmul-precision bfloat16 (activations rounded to bf16 in prefill products, as llama.cpp's
+    BF16 path does)."""
+    return ours(model_dir, args, prompt, threads, matmul_precision="bfloat16")
 
 
 def runtime_steps(model, prompt: list[int]):
@@ -177,8 +187,10 @@ def benchmark(shape: str, dtype: str, args) -> dict:
     load = os.getloadavg()[0]  # other work on the machine skews every column; recorded, not corrected for
     bandwidth = read_bandwidth()
     weight_bytes = weight_bytes_per_token(model_dir)
-    engines = [measure(ours, model_dir, args, prompt, threads, "ours"),
-               measure(transformers_peer, model_dir, args, prompt, threads, "transformers")]
+    engines = [measure(ours, model_dir, args, prompt, threads, "ours")]
+    if dtype == "bfloat16":
+        engines.append(measure(ours_amx, model_dir, args, prompt, threads, "ours (bf16 prefill products on AMX)"))
+    engines.append(measure(transformers_peer, model_dir, args, prompt, threads, "transformers"))
     for outtype in GGUF_TYPES[dtype]:
         engines.append(measure(llama_cpp_peer, gguf_or_error(model_dir, outtype, args), args, prompt, threads,
                                f"llama.cpp (GGUF {outtype.upper()})"))
@@ -194,23 +206,25 @@ def ratio(a: dict, b: dict, key: str) -> str:
 
 
 def table(results: list[dict]) -> str:
-    """A Markdown table of every engine's tok/s and our ratio to it, plus each decode roofline."""
-    lines = ["| model | engine | prefill tok/s | decode tok/s | us/engine prefill | us/engine decode |",
-             "|---|---|---|---|---|---|"]
+    """A Markdown table of every engine's tok/s and our ratios to it (default build; prefill of the AMX build),
+    plus each decode roofline."""
+    lines = ["| model | engine | prefill tok/s | decode tok/s | us/engine prefill | us/engine decode "
+             "| us (AMX)/engine prefill |", "|---|---|---|---|---|---|---|"]
     for r in results:
-        us = r["engines"][0]
+        us, prefill, decode = r["engines"][0], "prefill_tokens_per_s", "decode_tokens_per_s"
+        amx = next((e for e in r["engines"][1:] if e["engine"].startswith("ours") and "error" not in e), {})
         for e in r["engines"]:
             if "error" in e:
-                lines.append(f"| {r['model']} | {e['engine']} | failed: {e['error']} | | | |")
+                lines.append(f"| {r['model']} | {e['engine']} | failed: {e['error']} | | | | |")
                 continue
-            keys = ("prefill_tokens_per_s", "decode_tokens_per_s")
-            ratios = ("", "") if e is us else tuple(ratio(us, e, k) for k in keys)
-            lines.append(f"| {r['model']} | {e['engine']} | {e['prefill_tokens_per_s']} | {e['decode_tokens_per_s']} | "
-                         f"{ratios[0]} | {ratios[1]} |")
+            ours = e is us or e is amx
+            lines.append(f"| {r['model']} | {e['engine']} | {e[prefill]} | {e[decode]} | "
+                         f"{'' if ours else ratio(us, e, prefill)} | {'' if ours else ratio(us, e, decode)} | "
+                         f"{'' if ours else ratio(amx, e, prefill)} |")
         roof = r["decode_roofline_tokens_per_s"]
-        vs = f"{us['decode_tokens_per_s'] / roof:.2f}" if "decode_tokens_per_s" in us else ""
+        vs = f"{us[decode] / roof:.2f}" if decode in us else ""
         lines.append(f"| {r['model']} | decode roofline: {r['read_bandwidth_gb_s']} GB/s read / "
-                     f"{r['weight_bytes_per_token'] / 1e9:.2f} GB of weights per token | | {roof} | | {vs} |")
+                     f"{r['weight_bytes_per_token'] / 1e9:.2f} GB of weights per token | | {roof} | | {vs} | |")
     return "\n".join(lines)
 
 

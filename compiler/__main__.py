@@ -10,6 +10,7 @@ from ir.errors import RudaError
 
 from .build import DEFAULT_CONTEXT_BUCKETS, DEFAULT_PREFILL_BUCKETS, TARGETS, build
 from .cuda import ARCHS, COMPILER_ENV, COMPILERS, PTX_VERSION_ENV
+from .target import MATMUL_PRECISIONS
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -40,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
                                                   "row count at the largest context)")
     b.add_argument("--kv-block-size", type=int, help="batched: tokens per KV page (default 16)")
     b.add_argument("--mcpu", help="llvm: the CPU to compile for (default: this machine's CPU)")
+    b.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS,
+                   help="llvm: float32 (default) keeps every product in float32; bfloat16 runs prefill products of "
+                        "bfloat16 weights on AMX tiles with the activations rounded to bfloat16 (several times faster "
+                        "prefill, bfloat16-level numerics; needs AMX-BF16)")
     b.add_argument("--arch", help=f"cuda: GPU architecture, one of {', '.join(ARCHS)} (default sm_90)")
     b.add_argument("--cuda-compiler", help=f"cuda: code path, one of {', '.join(COMPILERS)} (default: ${COMPILER_ENV}, "
                                            "else ptx = direct PTX through LLVM NVPTX)")
@@ -52,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         result = build(args.model_dir, target=args.target, out=args.out, prefill_buckets=args.prefill_buckets,
                        context_buckets=args.context_buckets, mcpu=args.mcpu, arch=args.arch,
                        cuda_compiler=args.cuda_compiler, ptx_version=args.ptx_version,
-                       batch_rows=args.batch_rows, kv_pages=args.kv_pages, kv_block=args.kv_block_size, force=args.force,
-                       quiet=args.quiet)
+                       batch_rows=args.batch_rows, kv_pages=args.kv_pages, kv_block=args.kv_block_size,
+                       matmul_precision=args.matmul_precision, force=args.force, quiet=args.quiet)
     except RudaError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -93,7 +93,8 @@ def resolve_buckets(prefill: tuple[int, ...] | None, context: tuple[int, ...] | 
 
 
 def make_target(target: str, *, mcpu: str | None = None, arch: str | None = None,
-                cuda_compiler: str | None = None, ptx_version: str | None = None) -> CpuTarget | CudaTarget:
+                cuda_compiler: str | None = None, ptx_version: str | None = None,
+                matmul_precision: str | None = None) -> CpuTarget | CudaTarget:
     """The validated target for `--target` and the options that belong to it."""
     if target not in TARGETS:
         raise BuildError(f"--target {target!r} is not supported; valid targets: {', '.join(TARGETS)}")
@@ -102,9 +103,10 @@ def make_target(target: str, *, mcpu: str | None = None, arch: str | None = None
                                       ("--ptx-version", ptx_version)) if v is not None]
         if stray:
             raise BuildError(f"{', '.join(stray)} only apply to --target cuda")
-        return cpu_target(mcpu)
-    if mcpu is not None:
-        raise BuildError("--mcpu only applies to --target llvm")
+        return cpu_target(mcpu, matmul_precision or "float32")
+    stray = [flag for flag, v in (("--mcpu", mcpu), ("--matmul-precision", matmul_precision)) if v is not None]
+    if stray:
+        raise BuildError(f"{', '.join(stray)} only apply to --target llvm")
     return cuda_target(arch, cuda_compiler, ptx_version)
 
 
@@ -112,10 +114,12 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
           prefill_buckets: tuple[int, ...] | None = None, context_buckets: tuple[int, ...] | None = None,
           mcpu: str | None = None, arch: str | None = None, cuda_compiler: str | None = None,
           ptx_version: str | None = None, batch_rows: tuple[int, ...] | None = None, kv_pages: int | None = None,
-          kv_block: int | None = None, force: bool = False, quiet: bool = False) -> BuildResult:
+          kv_block: int | None = None, matmul_precision: str | None = None, force: bool = False,
+          quiet: bool = False) -> BuildResult:
     """Compile a model directory into an artifact directory (reusing it when nothing changed)."""
     start = time.perf_counter()
-    tgt = make_target(target, mcpu=mcpu, arch=arch, cuda_compiler=cuda_compiler, ptx_version=ptx_version)
+    tgt = make_target(target, mcpu=mcpu, arch=arch, cuda_compiler=cuda_compiler, ptx_version=ptx_version,
+                      matmul_precision=matmul_precision)
     raw, config, _, program = models.load_checkpoint_program(model_dir)
     buckets = resolve_buckets(prefill_buckets, context_buckets, config.max_position_embeddings, batch_rows, kv_pages,
                               kv_block)
@@ -169,14 +173,14 @@ def _state_tensors(graph, dims: dict[str, int]) -> list[dict]:
 
 def _describe(tgt: CpuTarget | CudaTarget) -> str:
     if isinstance(tgt, CpuTarget):
-        return f"CPU {tgt.mcpu} with LLVM"
+        return f"CPU {tgt.mcpu} with LLVM" + (", bfloat16 prefill products on AMX" if tgt.amx else "")
     path = "direct PTX (LLVM NVPTX)" if tgt.compiler == "ptx" else f"CUDA C++ via {tgt.compiler}"
     return f"CUDA {tgt.arch} through {path}"
 
 
 def _scheduler(tgt: CpuTarget | CudaTarget):
     def schedule(kernel, kind):
-        kernel.func = cpu.schedule(kernel.func, kind, tgt.lanes) if isinstance(tgt, CpuTarget) \
+        kernel.func = cpu.schedule(kernel.func, kind, tgt.lanes, tgt.amx) if isinstance(tgt, CpuTarget) \
             else gpu.schedule(kernel.func, kind)
         return kernel
     return schedule

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -9,7 +10,9 @@ from pathlib import Path
 CHECKED_FEATURES = {
     "avx2": "avx2", "fma": "fma", "f16c": "f16c", "avx512f": "avx512f", "avx512bw": "avx512bw",
     "avx512vl": "avx512vl", "avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16",
+    "amx-tile": "amx_tile", "amx-bf16": "amx_bf16",
 }
+AMX_FEATURES = ("amx-bf16", "amx-tile")  # what bfloat16 matrix products on AMX tiles need
 
 
 def host_cpu_flags() -> set[str]:
@@ -28,6 +31,15 @@ def missing_host_features(features: list[str]) -> list[str]:
     """Those of the LLVM `features` this machine lacks (none when /proc/cpuinfo cannot be read)."""
     flags = host_cpu_flags()
     return [f for f in features if flags and CHECKED_FEATURES.get(f, f) not in flags]
+
+
+def enable_amx() -> None:
+    """Ask Linux for this process's AMX tile state, which it grants only on request (else AMX code dies of SIGILL)."""
+    arch_prctl, req_xcomp_perm, xtiledata = 158, 0x1023, 18  # x86-64 syscall number, request, feature bit
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(arch_prctl, req_xcomp_perm, xtiledata) != 0:
+        raise OSError(ctypes.get_errno(), f"Linux refused this process AMX tile state (arch_prctl "
+                      f"ARCH_REQ_XCOMP_PERM: {os.strerror(ctypes.get_errno())}); it needs Linux 5.16 or newer")
 
 
 def use_all_cores() -> None:

@@ -17,7 +17,7 @@ from ir import CONTEXT, stable_hash
 from ir.errors import RudaError
 
 from .artifact import MODULE, ArtifactError, build_command, config_hash, default_artifact_dir, read_manifest
-from .cpu import missing_host_features, use_all_cores
+from .cpu import enable_amx, missing_host_features, use_all_cores
 from .weights import load_tensors
 
 TARGETS = {"cpu": "llvm", "cuda": "cuda"}
@@ -111,6 +111,12 @@ class CompiledModel:
         if missing:
             raise ArtifactError(f"{self.artifact} was compiled for CPU {m['target']['mcpu']!r}, which uses {missing} "
                                 f"that this machine lacks; rebuild here: {rebuild}")
+        if "amx-tile" in m["target"].get("features", []):
+            try:
+                enable_amx()
+            except OSError as e:
+                raise ArtifactError(f"{self.artifact} runs its prefill products on AMX tiles, but {e.strerror}; "
+                                    f"rebuild without them: {rebuild}") from None
         if m["ir_hash"] != ir_hash:
             raise ArtifactError(f"{self.artifact} does not match the weights in {self.model_dir} (tensor dtypes or "
                                 f"shapes changed); rebuild: {rebuild}")

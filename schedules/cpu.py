@@ -8,6 +8,7 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
+from .amx import amx_gemm
 from .loops import split_loops, static_extent
 
 
@@ -284,10 +285,13 @@ SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "atten
              "paged_attention": _attention, "padded_attention": _attention, "gated_delta_rule": _delta_rule}
 
 
-def schedule(func: tirx.PrimFunc, kind: str, lanes: int) -> tirx.PrimFunc:
-    """The kernel of an op of `kind`, scheduled for a CPU with `lanes` float32 SIMD lanes."""
-    if kind == "linear" and (streaming := _decode_gemv(func, lanes)) is not None:
-        return streaming
+def schedule(func: tirx.PrimFunc, kind: str, lanes: int, amx: bool = False) -> tirx.PrimFunc:
+    """The kernel of an op of `kind`, scheduled for a CPU with `lanes` float32 SIMD lanes (and, with `amx`,
+    prefill products of bfloat16 weights on AMX tiles)."""
+    if kind == "linear":
+        for written in ((amx_gemm(func) if amx else None), _decode_gemv(func, lanes)):
+            if written is not None:
+                return written
     sch = s_tir.Schedule(func)
     SCHEDULES.get(kind, _generic)(sch, lanes)
     return sch.mod["main"]

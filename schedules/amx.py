@@ -1,0 +1,113 @@
+"""Prefill matrix products on Intel AMX tiles: bfloat16 weights times activations rounded to bfloat16.
+
+Opt-in (`--matmul-precision bfloat16`): products then differ from float32 ones by bfloat16 rounding of
+the activations, as llama.cpp's BF16 path and torch's bf16 models do. Sums stay float32.
+
+One AMX dot product, `tdpbf16ps C, A, B`, adds A[16 x 32] @ B[32 x 16] into a 16 x 16 float32 tile C, with B
+stored in pairs: B[depth / 2][16 columns][2]. Here A is 16 rows of the weight, read in place (w is
+[out, in], so each row is a contiguous run of the depth), and B holds 16 activation rows, packed once per
+call into that paired layout; C is thus a transposed [out, token] block, written back to y[token, out].
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+TILE = 16  # rows per tile; a tile row holds 64 bytes: 32 bfloat16 or 16 float32
+DEPTH = 32  # bfloat16 depth per dot product
+BLOCK = 2 * TILE  # outputs per block side: 2 weight tiles x 2 activation tiles -> 4 accumulator tiles
+
+
+@T.macro
+def _tile_config(cfg):
+    """Palette 1 with all eight tiles at 16 rows x 64 bytes, loaded into this thread's tile registers."""
+    for i in range(64):
+        cfg[i] = T.uint8(0)
+    cfg[0] = T.uint8(1)
+    for t in range(8):
+        cfg[16 + 2 * t] = T.uint8(64)
+        cfg[48 + t] = T.uint8(TILE)
+    T.evaluate(T.call_llvm_intrin("void", "llvm.x86.ldtilecfg", T.address_of(cfg[0])))
+
+
+def _bf16_bits(v):
+    """The bits of float32 `v` rounded to the nearest bfloat16 (ties to even)."""
+    bits = T.reinterpret("uint32", v)
+    return T.Cast("uint16", (bits + T.uint32(0x7FFF) + ((bits >> T.uint32(16)) & T.uint32(1))) >> T.uint32(16))
+
+
+def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    """x @ w.T (+ bias) for float32 x and bfloat16 w on AMX tiles, or None when the shape does not fit
+    (token rows, depth and outputs must be multiples of 32)."""
+    x_buf, w_buf, *rest = func.params
+    m, k = (int(d) for d in x_buf.shape)
+    n = int(w_buf.shape[0])
+    if w_buf.dtype != "bfloat16" or x_buf.dtype != "float32" or m % BLOCK or k % DEPTH or n % BLOCK:
+        return None
+
+    @T.macro
+    def load(tile, address, stride):
+        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.int8(tile), address, T.int64(stride)))
+
+    @T.macro
+    def dot(acc, a, b):
+        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tdpbf16ps", T.int8(acc), T.int8(a), T.int8(b)))
+
+    @T.macro
+    def zero(tile):
+        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilezero", T.int8(tile)))
+
+    @T.macro
+    def store(tile, address):
+        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilestored64", T.int8(tile), address, T.int64(64)))
+
+    @T.macro
+    def products(x, w, y, first):
+        # x as bfloat16 bits, 16 rows at a time, depth in pairs: xp[row block, depth / 2, row, 2]
+        xp = T.alloc_buffer((m // TILE, k // 2, TILE, 2), "uint16")
+        for rb in T.parallel(m // TILE):
+            for r, d in T.grid(TILE, k // 2):
+                for p in T.vectorized(2):
+                    xp[rb, d, r, p] = _bf16_bits(x[rb * TILE + r, d * 2 + p])
+        for task in T.parallel(n // BLOCK):  # a task: 32 outputs for every token row
+            cfg = T.alloc_buffer((64,), "uint8", scope="local")
+            acc = T.alloc_buffer((4, TILE, TILE), "float32", scope="local")
+            _tile_config(cfg)
+            for rows in range(m // BLOCK):
+                zero(4)
+                zero(5)
+                zero(6)
+                zero(7)
+                for s in range(k // DEPTH):
+                    load(0, T.address_of(w[task * BLOCK, s * DEPTH]), k * 2)  # tiles 0, 1: weights
+                    load(1, T.address_of(w[task * BLOCK + TILE, s * DEPTH]), k * 2)
+                    load(2, T.address_of(xp[rows * 2, s * TILE, 0, 0]), 64)  # tiles 2, 3: activations
+                    load(3, T.address_of(xp[rows * 2 + 1, s * TILE, 0, 0]), 64)
+                    dot(4, 0, 2)
+                    dot(5, 0, 3)
+                    dot(6, 1, 2)
+                    dot(7, 1, 3)
+                store(4, T.address_of(acc[0, 0, 0]))
+                store(5, T.address_of(acc[1, 0, 0]))
+                store(6, T.address_of(acc[2, 0, 0]))
+                store(7, T.address_of(acc[3, 0, 0]))
+                for wt, xt, r in T.grid(2, 2, TILE):  # acc[2 * wt + xt] is [output, token]
+                    for c in T.vectorized(TILE):
+                        y[rows * BLOCK + xt * TILE + r, task * BLOCK + wt * TILE + c] = (
+                            acc[wt * 2 + xt, c, r] + first(task * BLOCK + wt * TILE + c))
+            T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))
+
+    if not rest[:-1]:
+        @T.prim_func(check_well_formed=False)
+        def gemm(x: T.Buffer((m, k), "float32"), w: T.Buffer((n, k), "bfloat16"), y: T.Buffer((m, n), "float32")):
+            products(x, w, y, lambda j: T.float32(0))
+        return gemm
+
+    bias_dtype = rest[0].dtype
+
+    @T.prim_func(check_well_formed=False)
+    def gemm_bias(x: T.Buffer((m, k), "float32"), w: T.Buffer((n, k), "bfloat16"), b: T.Buffer((n,), bias_dtype),
+                  y: T.Buffer((m, n), "float32")):
+        products(x, w, y, lambda j: T.Cast("float32", b[j]))
+    return gemm_bias

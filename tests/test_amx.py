@@ -1,0 +1,107 @@
+"""bfloat16 prefill products on AMX tiles (`--matmul-precision bfloat16`): the kernel against numpy on
+bfloat16-rounded activations, the option's errors, and a whole model against transformers."""
+
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+
+from compiler.build import BuildError, build, make_target
+from compiler.kernels import make_kernel
+from compiler.target import TargetError, cpu_target
+from ir import TensorType
+from models.tiny import write_tiny_checkpoint
+from runtime import CompiledModel
+from runtime.cpu import enable_amx, host_cpu_flags
+from schedules import cpu
+from schedules.amx import amx_gemm
+
+HAS_AMX = {"amx_tile", "amx_bf16"} <= host_cpu_flags()
+needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX-BF16 tiles")
+RNG = np.random.default_rng(5)
+
+
+def run_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, str]:
+    """The linear kernel as a bfloat16 build schedules it, run on these arrays; (output, its assembly)."""
+    target = cpu_target(matmul_precision="bfloat16")
+    inputs = [x, w] + ([bias] if bias is not None else [])
+    kernel = make_kernel("linear", [TensorType(a.shape, str(a.dtype)) for a in inputs], {})
+    lib = tvm.compile(cpu.schedule(kernel.func, "linear", target.lanes, amx=True), target.tvm_target())
+    enable_amx()
+    out = tvm.runtime.empty((x.shape[0], w.shape[0]), "float32", tvm.cpu())
+    lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)
+    return out.numpy(), lib.mod.inspect_source("asm")
+
+
+@needs_amx
+@pytest.mark.parametrize("rows,depth,cols", [(32, 32, 32), (64, 96, 160), (128, 896, 128), (32, 2048, 64)])
+@pytest.mark.parametrize("bias", [None, "bfloat16", "float32"])
+def test_amx_products_match_numpy_on_rounded_activations(rows, depth, cols, bias):
+    x = RNG.standard_normal((rows, depth)).astype(np.float32)
+    w = (RNG.standard_normal((cols, depth)) * depth ** -0.5).astype(ml_dtypes.bfloat16)
+    b = RNG.standard_normal(cols).astype(bias) if bias else None
+    got, asm = run_linear(x, w, b)
+    want = x.astype(ml_dtypes.bfloat16).astype(np.float64) @ w.astype(np.float64).T
+    want += b.astype(np.float64) if bias else 0
+    assert "tdpbf16ps" in asm
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+    exact = x.astype(np.float64) @ w.astype(np.float64).T + (b.astype(np.float64) if bias else 0)
+    assert np.abs(got - exact).max() > 1e-4 * float(np.abs(exact).max())  # the activations really were rounded
+
+
+@needs_amx
+def test_activations_round_to_nearest_bfloat16_ties_to_even():
+    one_ulp = 2.0 ** -7  # of bfloat16 at 1.0
+    values = [1 + one_ulp / 2, 1 + 3 * one_ulp / 2, 1 + one_ulp / 2 + 2 ** -20, -(1 + one_ulp / 2), 3.0e38, 1.2345e-3]  # (AMX flushes subnormals to 0)
+    x = np.zeros((32, 32), np.float32)
+    x[0, :len(values)] = values
+    got, _ = run_linear(x, np.eye(32, dtype=ml_dtypes.bfloat16), None)  # y = bfloat16(x) exactly
+    np.testing.assert_array_equal(got[0, :len(values)], x[0, :len(values)].astype(ml_dtypes.bfloat16).astype(np.float32))
+    assert got[0, 0] == 1.0 and got[0, 1] == 1 + 2 * one_ulp
+
+
+def test_shapes_that_do_not_fill_the_tiles_keep_float32_products():
+    for rows, depth, cols, dtype in [(16, 64, 64, "bfloat16"), (32, 48, 64, "bfloat16"), (32, 64, 48, "bfloat16"),
+                                     (32, 64, 64, "float16"), (32, 64, 64, "float32"), (1, 64, 64, "bfloat16")]:
+        kernel = make_kernel("linear", [TensorType((rows, depth), "float32"), TensorType((cols, depth), dtype)], {})
+        assert amx_gemm(kernel.func) is None
+
+
+def test_matmul_precision_errors_name_the_fix():
+    with pytest.raises(TargetError, match="AMX tiles, which CPU 'skylake-avx512' does not have.*float32"):
+        cpu_target("skylake-avx512", "bfloat16")
+    with pytest.raises(TargetError, match="'float16' is not one of float32, bfloat16"):
+        cpu_target(None, "float16")
+    with pytest.raises(BuildError, match="--matmul-precision only apply to --target llvm"):
+        make_target("cuda", matmul_precision="bfloat16")
+    assert "amx-tile" not in cpu_target("sapphirerapids").features  # float32 builds do not require AMX hosts
+
+
+@needs_amx
+def test_whole_model_with_amx_prefill_tracks_transformers(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model_dir = write_tiny_checkpoint(tmp_path / "model", arch="qwen2", dtype="bfloat16", seed=4)
+    artifact = build(model_dir, out=tmp_path / "amx", prefill_buckets=(32,), context_buckets=(64,),
+                     matmul_precision="bfloat16", quiet=True).path
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["target"]["matmul_precision"] == "bfloat16" and "amx-bf16" in manifest["target"]["features"]
+    ours = CompiledModel(model_dir, artifact)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = [int(t) for t in RNG.integers(0, ours.config.vocab_size, 24)]
+    cache = ours.new_cache(32)
+    got = ours.forward(prompt, cache)
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), use_cache=True)
+    want = out.logits[0, -1].numpy()
+    error = np.abs(got - want).max() / np.abs(want).max()
+    assert 1e-4 < error < 2e-2  # bfloat16 activations in the products: off float32 by their rounding, no more
+    assert int(np.argmax(got)) == int(np.argmax(want))
+    token, past = int(np.argmax(want)), out.past_key_values
+    with torch.no_grad():  # decode products stay float32, so a decode step on the same cache still matches closely
+        want = hf(torch.tensor([[token]]), past_key_values=past, use_cache=True).logits[0, -1].numpy()
+    assert int(np.argmax(ours.forward([token], cache))) == int(np.argmax(want))
