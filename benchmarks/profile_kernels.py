@@ -21,9 +21,9 @@ import models
 from benchmarks.checkpoints import SHAPES, real_shape_checkpoint
 from compiler.kernels import make_kernel
 from compiler.lower import op_signature
-from compiler.target import cpu_target
+from compiler.target import MATMUL_PRECISIONS, cpu_target
 from ir import CONTEXT, OPS, TOKENS, infer_types
-from runtime.cpu import use_all_cores
+from runtime.cpu import enable_amx, use_all_cores
 from schedules import cpu
 
 CONTEXT_TOKENS = 512
@@ -46,13 +46,18 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1, help="1: a decode step; more: a prefill chunk")
     parser.add_argument("--work", help="where the random checkpoint is kept")
     parser.add_argument("--model-dir", help="profile this model directory instead of a random --shape checkpoint")
+    parser.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="float32",
+                        help="as `python -m compiler build` takes it (bfloat16: prefill products on AMX tiles)")
     args = parser.parse_args()
     if (args.work is None) == (args.model_dir is None):
         parser.error("give --work (with --shape) or --model-dir")
     use_all_cores()
+    target = cpu_target(matmul_precision=args.matmul_precision)
+    if target.amx:
+        enable_amx()
     model_dir = args.model_dir or real_shape_checkpoint(args.work, args.shape, args.dtype)
     _, _, _, program = models.load_checkpoint_program(model_dir)
-    target, dev, rng = cpu_target(), tvm.cpu(), np.random.default_rng(0)
+    dev, rng = tvm.cpu(), np.random.default_rng(0)
     entry = "decode" if args.tokens == 1 else "prefill"
     graph = program.entries[entry]
     uses = Counter(op_signature(graph, program, op, {TOKENS: args.tokens, CONTEXT: CONTEXT_TOKENS})
@@ -61,7 +66,7 @@ def main() -> None:
     for sig, count in uses.items():
         attrs = json.loads(sig.attrs_json)
         kernel = make_kernel(sig.kind, list(sig.types), attrs, target.lanes)
-        lib = tvm.compile(cpu.schedule(kernel.func, sig.kind, target.lanes), target.tvm_target())
+        lib = tvm.compile(cpu.schedule(kernel.func, sig.kind, target.lanes, target.amx), target.tvm_target())
         inputs = [_random_input(t, rng) for t in sig.types]
         call = [x if isinstance(x, int) else tvm.runtime.tensor(x, dev) for x in inputs]
         call += [tvm.runtime.tensor(c, dev) for c in kernel.constants]

@@ -83,13 +83,15 @@ def rope(types, attrs) -> Kernel:
     freqs = np.asarray(attrs["inv_freq"], dtype=np.float32)
     half, head_dim = len(freqs), attrs["head_dim"]
     inv = te.placeholder((half,), F32, name="inv_freq")
+    # cos and sin once per row and frequency, not once per head
+    cos = te.compute((x.shape[0], half), lambda i, f: te.cos(position(i).astype(F32) * inv[f]), name="rope_cos")
+    sin = te.compute((x.shape[0], half), lambda i, f: te.sin(position(i).astype(F32) * inv[f]), name="rope_sin")
 
     def rotate(i, c):
         d = c % head_dim
         base = c - d
-        angle = position(i).astype(F32) * inv[d % half]
         partner = tirx.if_then_else(d < half, -x[i, base + d + half], x[i, base + d - half])
-        rotated = x[i, c] * te.cos(angle) + partner * te.sin(angle)
+        rotated = x[i, c] * cos[i, d % half] + partner * sin[i, d % half]
         return tirx.if_then_else(d < 2 * half, rotated, x[i, c])
 
     y = te.compute(x.shape, rotate, name="rope")
@@ -122,9 +124,15 @@ def _attend(q, attrs, length, key, value, visible):
     return te.compute((rows, heads * dim), lambda i, c: acc[i, c] / total[c // dim, i], name="attention")
 
 
+SCORE_BLOCK = 16  # attention scores come in whole blocks of positions (SIMD vectors); the mask hides the excess
+
+
 def attention(types, attrs) -> Kernel:
     q, kc, vc, pos, n = _placeholders(types, ["q", "k_cache", "v_cache", "pos", "n"])
-    out = _attend(q, attrs, pos + n, lambda i, j, c: kc[j, c], lambda i, j, c: vc[j, c], lambda i, j: j <= pos + i)
+    span = (pos + n + SCORE_BLOCK - 1) // SCORE_BLOCK * SCORE_BLOCK  # may pass the cache's end: reads are clamped
+    last = kc.shape[0] - 1
+    out = _attend(q, attrs, span, lambda i, j, c: kc[tirx.min(j, last), c], lambda i, j, c: vc[tirx.min(j, last), c],
+                  lambda i, j: j <= tirx.min(pos + i, pos + n - 1))  # padding rows (i >= n) see the valid cache only
     return Kernel(te.create_prim_func([q, kc, vc, pos, n, out]))
 
 

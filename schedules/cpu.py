@@ -5,11 +5,13 @@ Schedules change loop structure only; the compute definitions in `compiler.kerne
 
 from __future__ import annotations
 
+import tvm.sym
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
 from .amx import amx_gemm
 from .loops import split_loops, static_extent
+from .vector_math import vector_math
 
 
 def _is_reduction(sch: s_tir.Schedule, block) -> bool:
@@ -256,12 +258,20 @@ def _attention(sch: s_tir.Schedule, lanes: int) -> None:
     if vector:
         _vector_dots(sch, scores, partial)
         sch.vectorize(sch.split(lane, [None, lanes])[1])
+    _vector_exp(sch, lanes)
     weighted = sch.get_sblock("weighted")
     w_col, w_ctx = sch.get_loops(weighted)[-2:]
     sch.reorder(w_ctx, w_col)
     if vector:
         sch.vectorize(sch.split(w_col, [None, lanes])[1])
     sch.decompose_reduction(weighted, w_ctx)
+
+
+def _vector_exp(sch: s_tir.Schedule, lanes: int) -> None:
+    """Softmax exponentials vectorised over positions, when their count is known to be whole vectors."""
+    position = sch.get_loops(sch.get_sblock("exp"))[-1]
+    if tvm.sym.Analyzer().can_prove_equal(sch.get(position).extent % lanes, 0):
+        sch.vectorize(sch.split(position, [None, lanes])[1])
 
 
 def _by_iter(sch: s_tir.Schedule, block) -> list:
@@ -287,11 +297,11 @@ SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "atten
 
 def schedule(func: tirx.PrimFunc, kind: str, lanes: int, amx: bool = False) -> tirx.PrimFunc:
     """The kernel of an op of `kind`, scheduled for a CPU with `lanes` float32 SIMD lanes (and, with `amx`,
-    prefill products of bfloat16 weights on AMX tiles)."""
+    prefill products of bfloat16 weights on AMX tiles), its exp and sigmoid calls as vectorisable arithmetic."""
     if kind == "linear":
         for written in ((amx_gemm(func) if amx else None), _decode_gemv(func, lanes)):
             if written is not None:
                 return written
     sch = s_tir.Schedule(func)
     SCHEDULES.get(kind, _generic)(sch, lanes)
-    return sch.mod["main"]
+    return vector_math(sch.mod["main"])

@@ -101,10 +101,12 @@ def test_kv_append_writes_only_valid_rows(pos, n):
 def test_attention(heads, kv_heads, rows, pos, n):
     head_dim, ctx = 16, 32
     q, k, v = rand(rows, heads * head_dim), rand(ctx, kv_heads * head_dim), rand(ctx, kv_heads * head_dim)
+    k[pos + n:], v[pos + n:] = np.nan, np.nan  # not yet written: must never reach any row, padding rows included
     attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "scale": 1 / math.sqrt(head_dim)}
     got = run_kernel("attention", [q, k, v, pos, n], attrs)[0]
     want = ref.attention(q, k, v, pos, n, **attrs)
     close(got[:n], want[:n], tol=1e-4)
+    assert np.isfinite(got).all()
 
 
 @pytest.mark.parametrize("rows,width", [(1, 128), (5, 40)])

@@ -1,0 +1,56 @@
+"""exp and sigmoid as float32 arithmetic that LLVM can vectorise (its own exp becomes one libm call per element).
+
+exp(x) = 2^n * e^r with n = round(x / ln 2) and |r| <= ln(2) / 2: e^r by the Cephes expf polynomial (within
+about 1 ulp), 2^n built from its exponent bits in two halves so that results down to subnormals and up to
+overflow stay right. Rewrites TVM's `tirx.exp` and `tirx.sigmoid` calls in a CPU kernel.
+"""
+
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+from tvm import tirx
+
+LOG2E = 1.44269504088896341
+LN2_HIGH, LN2_LOW = 0.693359375, -2.12194440e-4  # ln 2 = LN2_HIGH + LN2_LOW, LN2_HIGH exact in few bits
+POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+LOWEST, HIGHEST = -110.0, 88.75  # beyond these exp is 0 or inf in float32; clamping keeps n in range
+
+
+def _f(v: float):
+    return tirx.const(v, "float32")
+
+
+def _pow2(n):
+    """2^n for int32 n in [-127, 127] from its exponent bits."""
+    return tirx.reinterpret("float32", (n + 127) << 23)
+
+
+def exp(x):
+    """e^x in float32 (NaN stays NaN, overflow gives inf, underflow 0), as vectorisable arithmetic."""
+    c = tirx.max(tirx.min(x, _f(HIGHEST)), _f(LOWEST))
+    n = tirx.floor(c * _f(LOG2E) + _f(0.5))
+    r = c - n * _f(LN2_HIGH) - n * _f(LN2_LOW)
+    p = _f(POLY[0])
+    for coefficient in POLY[1:]:
+        p = p * r + _f(coefficient)
+    er = p * r * r + r + _f(1.0)
+    ni = tirx.Cast("int32", n)
+    half = ni >> 1
+    nan = tirx.reinterpret("uint32", x) & tirx.const(0x7FFFFFFF, "uint32") > tirx.const(0x7F800000, "uint32")
+    return tirx.Select(nan, x, er * _pow2(half) * _pow2(ni - half))  # (an integer NaN test: LLVM compiles float
+    # compares with fast-math flags, which would drop an x != x test)
+
+
+def vector_math(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """`func` with every float32 exp and sigmoid call replaced by `exp` arithmetic."""
+    exp_op, sigmoid_op = tvm.ir.Op.get("tirx.exp"), tvm.ir.Op.get("tirx.sigmoid")
+
+    def rewrite(call):
+        if str(call.ty) != "float32" or not (call.op.same_as(exp_op) or call.op.same_as(sigmoid_op)):
+            return call
+        if call.op.same_as(exp_op):
+            return exp(call.args[0])
+        return _f(1.0) / (_f(1.0) + exp(-call.args[0]))
+
+    return tvm_ffi.structural_map(func, [(tvm.ir.expr.Call, rewrite)])
