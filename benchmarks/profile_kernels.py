@@ -66,7 +66,7 @@ def main() -> None:
     for sig, count in uses.items():
         attrs = json.loads(sig.attrs_json)
         kernel = make_kernel(sig.kind, list(sig.types), attrs, target.lanes)
-        lib = tvm.compile(cpu.schedule(kernel.func, sig.kind, target.lanes, target.amx), target.tvm_target())
+        lib = tvm.compile(cpu.schedule(kernel.func, sig.kind, target.lanes, target.amx, attrs), target.tvm_target())
         inputs = [_random_input(t, rng) for t in sig.types]
         call = [x if isinstance(x, int) else tvm.runtime.tensor(x, dev) for x in inputs]
         call += [tvm.runtime.tensor(c, dev) for c in kernel.constants]
@@ -78,7 +78,8 @@ def main() -> None:
         rows.append((ms * count, sig.kind, count, ms, ", ".join(str(t) for t in sig.types[:2])))
     for step_ms, kind, count, ms, types in sorted(rows, reverse=True):
         print(f"{step_ms:9.2f} ms  {kind:12s} x{count:<3d} {ms:8.3f} ms each  {types}")
-    print(f"{total:9.2f} ms  total ({entry}, {args.tokens} token(s), {args.shape} {args.dtype})")
+    what = args.model_dir or f"{args.shape} {args.dtype}"
+    print(f"{total:9.2f} ms  total ({entry}, {args.tokens} token(s), {what})")
 
 
 if __name__ == "__main__":

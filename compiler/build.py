@@ -179,8 +179,8 @@ def _describe(tgt: CpuTarget | CudaTarget) -> str:
 
 
 def _scheduler(tgt: CpuTarget | CudaTarget):
-    def schedule(kernel, kind):
-        kernel.func = cpu.schedule(kernel.func, kind, tgt.lanes, tgt.amx) if isinstance(tgt, CpuTarget) \
+    def schedule(kernel, kind, attrs):
+        kernel.func = cpu.schedule(kernel.func, kind, tgt.lanes, tgt.amx, attrs) if isinstance(tgt, CpuTarget) \
             else gpu.schedule(kernel.func, kind)
         return kernel
     return schedule

@@ -86,14 +86,15 @@ def kernel_signatures(program: Program, buckets: Buckets) -> list[KernelSignatur
 
 
 def lower_program(program: Program, buckets: Buckets, signatures: list[KernelSignature],
-                  schedule: Callable[[Kernel, str], Kernel], progress: Callable[[Iterable], Iterable] = iter,
+                  schedule: Callable[[Kernel, str, dict], Kernel], progress: Callable[[Iterable], Iterable] = iter,
                   scan_lanes: int = 1) -> tvm.IRModule:
-    """The Relax module for all buckets, given their `kernel_signatures`; `schedule` turns each kernel into its
-    target's form (`scan_lanes`: see compiler.kernels.make_kernel)."""
+    """The Relax module for all buckets, given their `kernel_signatures`; `schedule` turns each kernel (with its op's
+    kind and attributes) into its target's form (`scan_lanes`: see compiler.kernels.make_kernel)."""
     bb = relax.BlockBuilder()
     kernels = {}
     for sig in progress(signatures):
-        kernel = schedule(make_kernel(sig.kind, list(sig.types), json.loads(sig.attrs_json), scan_lanes), sig.kind)
+        attrs = json.loads(sig.attrs_json)
+        kernel = schedule(make_kernel(sig.kind, list(sig.types), attrs, scan_lanes), sig.kind, attrs)
         kernels[sig] = (bb.add_func(kernel.func.with_attr("global_symbol", sig.name), sig.name), kernel.constants)
     param_types = [p.type for p in program.params.values()]
     for fn_name, entry, dims in buckets.functions():

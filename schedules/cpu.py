@@ -10,6 +10,7 @@ from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
 from .amx import amx_gemm
+from .cpu_attention import prefill_attention
 from .loops import split_loops, static_extent
 from .vector_math import vector_math
 
@@ -295,13 +296,22 @@ SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "atten
              "paged_attention": _attention, "padded_attention": _attention, "gated_delta_rule": _delta_rule}
 
 
-def schedule(func: tirx.PrimFunc, kind: str, lanes: int, amx: bool = False) -> tirx.PrimFunc:
-    """The kernel of an op of `kind`, scheduled for a CPU with `lanes` float32 SIMD lanes (and, with `amx`,
-    prefill products of bfloat16 weights on AMX tiles), its exp and sigmoid calls as vectorisable arithmetic."""
+def _written(func: tirx.PrimFunc, kind: str, lanes: int, amx: bool, attrs: dict | None) -> tirx.PrimFunc | None:
+    """A hand-written kernel for this op and shape, or None when schedule primitives handle it."""
     if kind == "linear":
-        for written in ((amx_gemm(func) if amx else None), _decode_gemv(func, lanes)):
-            if written is not None:
-                return written
-    sch = s_tir.Schedule(func)
-    SCHEDULES.get(kind, _generic)(sch, lanes)
-    return vector_math(sch.mod["main"])
+        gemm = amx_gemm(func) if amx else None
+        return gemm if gemm is not None else _decode_gemv(func, lanes)
+    if kind == "attention" and attrs is not None:
+        return prefill_attention(func, attrs, lanes)
+    return None
+
+
+def schedule(func: tirx.PrimFunc, kind: str, lanes: int, amx: bool = False, attrs: dict | None = None) -> tirx.PrimFunc:
+    """The kernel of an op of `kind` (with the op's `attrs`), for a CPU with `lanes` float32 SIMD lanes (and, with
+    `amx`, prefill products of bfloat16 weights on AMX tiles); exp and sigmoid as vectorisable arithmetic."""
+    written = _written(func, kind, lanes, amx, attrs)
+    if written is None:
+        sch = s_tir.Schedule(func)
+        SCHEDULES.get(kind, _generic)(sch, lanes)
+        written = sch.mod["main"]
+    return vector_math(written)

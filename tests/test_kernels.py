@@ -14,6 +14,7 @@ from compiler.kernels import KERNELS, make_kernel
 from compiler.target import cpu_target
 from ir import OPS, TensorType, infer_types
 from schedules import cpu
+from schedules.cpu_attention import prefill_attention
 
 TARGET = cpu_target()
 RNG = np.random.default_rng(0)
@@ -24,7 +25,7 @@ def run_kernel(kind: str, inputs: list, attrs: dict) -> list[np.ndarray]:
     """Compile `kind` for these inputs (arrays, or ints for scalars) and return its outputs."""
     types = [TensorType((), "int32") if isinstance(x, int) else TensorType(x.shape, str(x.dtype)) for x in inputs]
     kernel = make_kernel(kind, types, attrs, TARGET.lanes)
-    func = cpu.schedule(kernel.func, kind, TARGET.lanes)
+    func = cpu.schedule(kernel.func, kind, TARGET.lanes, attrs=attrs)
     lib = tvm.compile(func, TARGET.tvm_target())
     dev = tvm.cpu()
     args = [x if isinstance(x, int) else tvm.runtime.tensor(x, dev) for x in inputs]
@@ -97,7 +98,8 @@ def test_kv_append_writes_only_valid_rows(pos, n):
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
-@pytest.mark.parametrize("rows,pos,n", [(1, 0, 1), (1, 20, 1), (8, 0, 8), (8, 5, 6)])
+@pytest.mark.parametrize("rows,pos,n", [(1, 0, 1), (1, 20, 1), (8, 0, 8), (8, 5, 6), (16, 10, 16), (32, 0, 32),
+                                        (32, 3, 20)])  # 16 and 32 rows: the prefill kernel
 def test_attention(heads, kv_heads, rows, pos, n):
     head_dim, ctx = 16, 32
     q, k, v = rand(rows, heads * head_dim), rand(ctx, kv_heads * head_dim), rand(ctx, kv_heads * head_dim)
@@ -105,6 +107,9 @@ def test_attention(heads, kv_heads, rows, pos, n):
     attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "scale": 1 / math.sqrt(head_dim)}
     got = run_kernel("attention", [q, k, v, pos, n], attrs)[0]
     want = ref.attention(q, k, v, pos, n, **attrs)
+    types = [TensorType(a.shape, "float32") for a in (q, k, v)] + [TensorType((), "int32")] * 2
+    written = prefill_attention(make_kernel("attention", types, attrs).func, attrs, TARGET.lanes)
+    assert (written is not None) == (rows > 1 and rows % TARGET.lanes == 0)  # which kernel this case tests
     close(got[:n], want[:n], tol=1e-4)
     assert np.isfinite(got).all()
 
