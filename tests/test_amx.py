@@ -16,6 +16,7 @@ from compiler.target import TargetError, cpu_target
 from ir import TensorType
 from models.tiny import write_tiny_checkpoint
 from runtime import CompiledModel
+from runtime.artifact import ArtifactError
 from runtime.cpu import enable_amx, host_cpu_flags
 from schedules import cpu
 from schedules.amx import amx_gemm
@@ -82,7 +83,7 @@ def test_matmul_precision_errors_name_the_fix():
 
 
 @needs_amx
-def test_whole_model_with_amx_prefill_tracks_transformers(tmp_path):
+def test_whole_model_with_amx_prefill_tracks_transformers(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     model_dir = write_tiny_checkpoint(tmp_path / "model", arch="qwen2", dtype="bfloat16", seed=4)
@@ -105,3 +106,9 @@ def test_whole_model_with_amx_prefill_tracks_transformers(tmp_path):
     with torch.no_grad():  # decode products stay float32, so a decode step on the same cache still matches closely
         want = hf(torch.tensor([[token]]), past_key_values=past, use_cache=True).logits[0, -1].numpy()
     assert int(np.argmax(ours.forward([token], cache))) == int(np.argmax(want))
+
+    def refuse():
+        raise OSError(1, "Linux refused this process AMX tile state (test)")
+    monkeypatch.setattr("runtime.engine.enable_amx", refuse)
+    with pytest.raises(ArtifactError, match="runs its prefill products on AMX tiles, but Linux refused.*rebuild without"):
+        CompiledModel(model_dir, artifact)

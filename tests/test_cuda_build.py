@@ -112,7 +112,7 @@ def test_bad_environment_values(monkeypatch):
 def test_options_of_the_other_target_are_refused(checkpoints, tmp_path):
     with pytest.raises(BuildError, match="--arch only apply to --target cuda"):
         build(checkpoints["qwen2"], target="llvm", arch="sm_90", out=tmp_path / "a", quiet=True)
-    with pytest.raises(BuildError, match="--mcpu only applies to --target llvm"):
+    with pytest.raises(BuildError, match="--mcpu only apply to --target llvm"):
         build(checkpoints["qwen2"], target="cuda", mcpu="znver4", out=tmp_path / "a", quiet=True)
     with pytest.raises(BuildError, match="valid targets: llvm, cuda"):
         build(checkpoints["qwen2"], target="rocm", out=tmp_path / "a", quiet=True)
