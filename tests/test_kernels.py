@@ -114,6 +114,23 @@ def test_attention(heads, kv_heads, rows, pos, n):
     assert np.isfinite(got).all()
 
 
+@pytest.mark.parametrize("rows,pos,n", [(8, 3, 8), (16, 0, 16), (32, 7, 20)])
+def test_prefill_attention_for_an_avx2_cpu(rows, pos, n):
+    """The prefill attention kernel at 8 float32 lanes (x86-64-v3), run on this CPU."""
+    heads, kv_heads, head_dim, ctx = 4, 2, 24, 40  # head_dim 24: three 8-lane vectors, not a multiple of 16
+    q, k, v = rand(rows, heads * head_dim), rand(ctx, kv_heads * head_dim), rand(ctx, kv_heads * head_dim)
+    k[pos + n:], v[pos + n:] = np.nan, np.nan
+    attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "scale": 0.2}
+    types = [TensorType(a.shape, "float32") for a in (q, k, v)] + [TensorType((), "int32")] * 2
+    avx2 = cpu_target("x86-64-v3")
+    func = cpu.schedule(make_kernel("attention", types, attrs).func, "attention", avx2.lanes, attrs=attrs)
+    assert prefill_attention(make_kernel("attention", types, attrs).func, attrs, avx2.lanes) is not None
+    out = tvm.runtime.empty(q.shape, "float32", tvm.cpu())
+    tvm.compile(func, avx2.tvm_target())["main"](*[tvm.runtime.tensor(a) for a in (q, k, v)], pos, n, out)
+    close(out.numpy()[:n], ref.attention(q, k, v, pos, n, **attrs)[:n], tol=1e-4)
+    assert np.isfinite(out.numpy()).all()
+
+
 @pytest.mark.parametrize("rows,width", [(1, 128), (5, 40)])
 def test_silu_mul_and_add(rows, width):
     a, b = rand(rows, width), rand(rows, width)
