@@ -71,7 +71,7 @@ def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
                 for p in T.vectorized(2):
                     xp[rb, d, r, p] = _bf16_bits(x[rb * TILE + r, d * 2 + p])
         for task in T.parallel(n // BLOCK):  # a task: 32 outputs for every token row
-            cfg = T.alloc_buffer((64,), "uint8", scope="local")
+            cfg = T.alloc_buffer((64,), "uint8")  # on the stack
             acc = T.alloc_buffer((4, TILE, TILE), "float32", scope="local")
             _tile_config(cfg)
             for rows in range(m // BLOCK):

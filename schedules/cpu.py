@@ -102,7 +102,7 @@ def _decode_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     def products(xs, ws, ys, first):
         flat = T.decl_buffer((n * k,), w_buf.dtype, data=ws.data)
         for task in T.parallel(n // cols):
-            acc = T.alloc_buffer((cols, 2, lanes), "float32", scope="local")
+            acc = T.alloc_buffer((cols, 2, lanes), "float32")  # on the stack (see cpu_attention), so in registers
             for c, h, lane in T.grid(cols, 2, lanes):
                 acc[c, h, lane] = T.float32(0)
             for s in range(k // step):

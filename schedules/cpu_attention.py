@@ -13,8 +13,10 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-POSITIONS = 8  # positions scored per step, each with its own accumulators
-OUT_ROWS = 4  # query rows summed per step of the weighted sum
+# Accumulator tiles are plain (global-scope) buffers under 1 KiB: TVM puts those on the stack, where LLVM keeps them
+# in registers; larger ones, and any in "local" scope, become heap workspace that every FMA reads and writes.
+POSITIONS = 7  # positions scored per step, each with its own accumulators (7 x 2 row vectors)
+OUT_ROWS = 2  # query rows summed per step of the weighted sum, times up to 4 vectors of the head dimension
 
 
 def prefill_attention(func: tirx.PrimFunc, attrs: dict, lanes: int) -> tirx.PrimFunc | None:
@@ -27,6 +29,7 @@ def prefill_attention(func: tirx.PrimFunc, attrs: dict, lanes: int) -> tirx.Prim
     if rows % lanes or dim % lanes or rows == 1:
         return None
     vecs = 2 if rows % (2 * lanes) == 0 else 1  # row vectors per task
+    out_vecs = next(c for c in (4, 3, 2, 1) if dim // lanes % c == 0)  # head-dimension vectors per output tile
     block = vecs * lanes
     blocks = rows // block
     span = (ctx + POSITIONS - 1) // POSITIONS * POSITIONS
@@ -43,26 +46,28 @@ def prefill_attention(func: tirx.PrimFunc, attrs: dict, lanes: int) -> tirx.Prim
             steps = (seen + POSITIONS - 1) // POSITIONS
             qt = T.alloc_buffer((dim, block), "float32")  # q of the block's rows, transposed, scaled
             s = T.alloc_buffer((span, block), "float32")  # scores, then probabilities
-            acc = T.alloc_buffer((POSITIONS, vecs, lanes), "float32", scope="local")
-            top = T.alloc_buffer((vecs, lanes), "float32", scope="local")
-            total = T.alloc_buffer((vecs, lanes), "float32", scope="local")
-            out_acc = T.alloc_buffer((OUT_ROWS, dim // lanes, lanes), "float32", scope="local")
+            acc = T.alloc_buffer((POSITIONS, vecs, lanes), "float32")
+            top = T.alloc_buffer((vecs, lanes), "float32")
+            total = T.alloc_buffer((vecs, lanes), "float32")
+            out_acc = T.alloc_buffer((OUT_ROWS, out_vecs, lanes), "float32")
             for r, d in T.grid(block, dim):
                 qt[d, r] = q[r0 + r, h * dim + d] * T.float32(scale)
             for step in range(steps):
-                for p, v in T.grid(POSITIONS, vecs):
-                    for lane in T.vectorized(lanes):
-                        acc[p, v, lane] = T.float32(0)
+                for p in T.unroll(POSITIONS):  # every loop that indexes an accumulator tile is unrolled
+                    for v in T.unroll(vecs):
+                        for lane in T.vectorized(lanes):
+                            acc[p, v, lane] = T.float32(0)
                 for d in range(dim):
                     for p in T.unroll(POSITIONS):
                         for v in T.unroll(vecs):
                             for lane in T.vectorized(lanes):  # rows past the cache's end read its last row
                                 acc[p, v, lane] = acc[p, v, lane] + qt[d, v * lanes + lane] * kc[
                                     T.min(step * POSITIONS + p, ctx - 1), kv + d]
-                for p, v in T.grid(POSITIONS, vecs):
-                    for lane in T.vectorized(lanes):
-                        s[step * POSITIONS + p, v * lanes + lane] = acc[p, v, lane]
-            for v in range(vecs):
+                for p in T.unroll(POSITIONS):
+                    for v in T.unroll(vecs):
+                        for lane in T.vectorized(lanes):
+                            s[step * POSITIONS + p, v * lanes + lane] = acc[p, v, lane]
+            for v in T.unroll(vecs):
                 for lane in T.vectorized(lanes):
                     top[v, lane] = T.min_value("float32")
                     total[v, lane] = T.float32(0)
@@ -76,19 +81,21 @@ def prefill_attention(func: tirx.PrimFunc, attrs: dict, lanes: int) -> tirx.Prim
                         s[j, v * lanes + lane] = T.Select(j <= T.min(pos + r0 + v * lanes + lane, pos + n - 1),
                                                           T.exp(s[j, v * lanes + lane] - top[v, lane]), T.float32(0))
                         total[v, lane] = total[v, lane] + s[j, v * lanes + lane]
-            for r4 in range(block // OUT_ROWS):
-                for r, c in T.grid(OUT_ROWS, dim // lanes):
-                    for lane in T.vectorized(lanes):
-                        out_acc[r, c, lane] = T.float32(0)
+            for r2, c0 in T.grid(block // OUT_ROWS, dim // lanes // out_vecs):
+                for r in T.unroll(OUT_ROWS):
+                    for c in T.unroll(out_vecs):
+                        for lane in T.vectorized(lanes):
+                            out_acc[r, c, lane] = T.float32(0)
                 for j in range(seen):  # written cache rows only: unwritten ones may hold NaN
                     for r in T.unroll(OUT_ROWS):
-                        for c in T.unroll(dim // lanes):
+                        for c in T.unroll(out_vecs):
                             for lane in T.vectorized(lanes):
-                                out_acc[r, c, lane] = out_acc[r, c, lane] + s[j, r4 * OUT_ROWS + r] * vc[
-                                    j, kv + c * lanes + lane]
-                for r, c in T.grid(OUT_ROWS, dim // lanes):
-                    for lane in T.vectorized(lanes):
-                        out[r0 + r4 * OUT_ROWS + r, h * dim + c * lanes + lane] = out_acc[r, c, lane] / total[
-                            (r4 * OUT_ROWS + r) // lanes, (r4 * OUT_ROWS + r) % lanes]
+                                out_acc[r, c, lane] = out_acc[r, c, lane] + s[j, r2 * OUT_ROWS + r] * vc[
+                                    j, kv + (c0 * out_vecs + c) * lanes + lane]
+                for r in T.unroll(OUT_ROWS):
+                    for c in T.unroll(out_vecs):
+                        for lane in T.vectorized(lanes):
+                            out[r0 + r2 * OUT_ROWS + r, h * dim + (c0 * out_vecs + c) * lanes + lane] = out_acc[
+                                r, c, lane] / total[(r2 * OUT_ROWS + r) // lanes, (r2 * OUT_ROWS + r) % lanes]
 
     return attention
