@@ -92,7 +92,8 @@ def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
                 store(5, T.address_of(acc[1, 0, 0]))
                 store(6, T.address_of(acc[2, 0, 0]))
                 store(7, T.address_of(acc[3, 0, 0]))
-                for wt, xt, r in T.grid(2, 2, TILE):  # acc[2 * wt + xt] is [output, token]
+                for wt, xt, r in T.grid(2, 2, TILE):  # acc[2 * wt + xt] is [output, token]; no Let for the column:
+                    # TVM 0.27 miscompiles a LetStmt inside a vectorised loop (it stored zeros)
                     for c in T.vectorized(TILE):
                         y[rows * BLOCK + xt * TILE + r, task * BLOCK + wt * TILE + c] = (
                             acc[wt * 2 + xt, c, r] + first(task * BLOCK + wt * TILE + c))

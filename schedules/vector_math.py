@@ -28,6 +28,8 @@ def _pow2(n):
 
 def exp(x):
     """e^x in float32 (NaN stays NaN, overflow gives inf, underflow 0), as vectorisable arithmetic."""
+    # x is repeated rather than bound by a Let: TVM 0.27's bfloat16 legalisation turns a Let over a bf16 read
+    # into garbage (inf); LLVM folds the repeats.
     c = tirx.max(tirx.min(x, _f(HIGHEST)), _f(LOWEST))
     n = tirx.floor(c * _f(LOG2E) + _f(0.5))
     r = c - n * _f(LN2_HIGH) - n * _f(LN2_LOW)
