@@ -14,6 +14,8 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .written import linear_func
+
 TILE = 16  # rows per tile; a tile row holds 64 bytes: 32 bfloat16 or 16 float32
 DEPTH = 32  # bfloat16 depth per dot product
 BLOCK = 2 * TILE  # outputs per block side: 2 weight tiles x 2 activation tiles -> 4 accumulator tiles
@@ -40,7 +42,7 @@ def _bf16_bits(v):
 def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     """x @ w.T (+ bias) for float32 x and bfloat16 w on AMX tiles, or None when the shape does not fit
     (token rows, depth and outputs must be multiples of 32)."""
-    x_buf, w_buf, *rest = func.params
+    x_buf, w_buf = func.params[:2]
     m, k = (int(d) for d in x_buf.shape)
     n = int(w_buf.shape[0])
     if w_buf.dtype != "bfloat16" or x_buf.dtype != "float32" or m % BLOCK or k % DEPTH or n % BLOCK:
@@ -99,16 +101,4 @@ def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
                             acc[wt * 2 + xt, c, r] + first(task * BLOCK + wt * TILE + c))
             T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))
 
-    if not rest[:-1]:
-        @T.prim_func(check_well_formed=False)
-        def gemm(x: T.Buffer((m, k), "float32"), w: T.Buffer((n, k), "bfloat16"), y: T.Buffer((m, n), "float32")):
-            products(x, w, y, lambda j: T.float32(0))
-        return gemm
-
-    bias_dtype = rest[0].dtype
-
-    @T.prim_func(check_well_formed=False)
-    def gemm_bias(x: T.Buffer((m, k), "float32"), w: T.Buffer((n, k), "bfloat16"), b: T.Buffer((n,), bias_dtype),
-                  y: T.Buffer((m, n), "float32")):
-        products(x, w, y, lambda j: T.Cast("float32", b[j]))
-    return gemm_bias
+    return linear_func(func, products)

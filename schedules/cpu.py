@@ -13,6 +13,7 @@ from .amx import amx_gemm
 from .cpu_attention import prefill_attention
 from .loops import split_loops, static_extent
 from .vector_math import vector_math
+from .written import linear_func
 
 
 def _is_reduction(sch: s_tir.Schedule, block) -> bool:
@@ -91,7 +92,7 @@ def _decode_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     `_gemv` is as fast). Schedule primitives cannot insert prefetches, so this loop nest is written
     out; it computes the sums of `compiler.kernels.linear` in another order.
     """
-    x_buf, w_buf, *rest = func.params  # buffers: the op's inputs, then its output
+    x_buf, w_buf = func.params[:2]
     n, k = (int(d) for d in w_buf.shape)
     step = 2 * lanes
     if int(x_buf.shape[0]) != 1 or k % step or w_buf.dtype not in ("bfloat16", "float16"):
@@ -118,19 +119,7 @@ def _decode_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
                 for h, lane in T.grid(2, lanes):
                     ys[0, task * cols + c] = ys[0, task * cols + c] + acc[c, h, lane]
 
-    if not rest[:-1]:
-        @T.prim_func(check_well_formed=False)
-        def gemv(x: T.Buffer((1, k), "float32"), w: T.Buffer((n, k), w_buf.dtype), y: T.Buffer((1, n), "float32")):
-            products(x, w, y, lambda j: T.float32(0))
-        return gemv
-
-    bias_dtype = rest[0].dtype
-
-    @T.prim_func(check_well_formed=False)
-    def gemv_bias(x: T.Buffer((1, k), "float32"), w: T.Buffer((n, k), w_buf.dtype), b: T.Buffer((n,), bias_dtype),
-                  y: T.Buffer((1, n), "float32")):
-        products(x, w, y, lambda j: T.Cast("float32", b[j]))
-    return gemv_bias
+    return linear_func(func, products)
 
 
 def _gemv(sch: s_tir.Schedule, block, lanes: int) -> None:

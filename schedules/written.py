@@ -1,0 +1,26 @@
+"""What the hand-written CPU kernels share."""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+
+def linear_func(func: tirx.PrimFunc, products) -> tirx.PrimFunc:
+    """A PrimFunc with the signature of the `linear` kernel `func` (x, w, optional bias, y) whose body is the macro
+    `products(x, w, y, first)`, `first(j)` being column j's starting value: its bias, or 0."""
+    x_buf, w_buf, *rest = func.params
+    (m, k), n, w_dtype = (int(d) for d in x_buf.shape), int(w_buf.shape[0]), w_buf.dtype
+    if not rest[:-1]:
+        @T.prim_func(check_well_formed=False)
+        def linear(x: T.Buffer((m, k), "float32"), w: T.Buffer((n, k), w_dtype), y: T.Buffer((m, n), "float32")):
+            products(x, w, y, lambda j: T.float32(0))
+        return linear
+
+    bias_dtype = rest[0].dtype
+
+    @T.prim_func(check_well_formed=False)
+    def linear_bias(x: T.Buffer((m, k), "float32"), w: T.Buffer((n, k), w_dtype), b: T.Buffer((n,), bias_dtype),
+                    y: T.Buffer((m, n), "float32")):
+        products(x, w, y, lambda j: T.Cast("float32", b[j]))
+    return linear_bias
