@@ -21,7 +21,8 @@ import models
 from benchmarks.checkpoints import SHAPES, real_shape_checkpoint
 from compiler.kernels import make_kernel
 from compiler.lower import op_signature
-from compiler.target import MATMUL_PRECISIONS, cpu_target
+from compiler.options import MATMUL_PRECISIONS
+from compiler.target import cpu_target
 from ir import CONTEXT, OPS, TOKENS, infer_types
 from runtime.cpu import enable_amx, use_all_cores
 from schedules import cpu

@@ -6,11 +6,18 @@ import argparse
 import json
 import sys
 
-from ir.errors import RudaError
+from ir.errors import add_debug_flag, run_cli
 
-from .build import DEFAULT_CONTEXT_BUCKETS, DEFAULT_PREFILL_BUCKETS, TARGETS, build
-from .cuda import ARCHS, COMPILER_ENV, COMPILERS, PTX_VERSION_ENV
-from .target import MATMUL_PRECISIONS
+from .options import (
+    ARCHS,
+    COMPILER_ENV,
+    COMPILERS,
+    DEFAULT_CONTEXT_BUCKETS,
+    DEFAULT_PREFILL_BUCKETS,
+    MATMUL_PRECISIONS,
+    PTX_VERSION_ENV,
+    TARGETS,
+)
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -20,8 +27,8 @@ def _sizes(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the compiler CLI; returns the exit status."""
+def main(argv: list[str]) -> int:
+    """Run the compiler CLI on `argv`; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m compiler", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="compile MODEL_DIR into an artifact directory")
@@ -52,19 +59,18 @@ def main(argv: list[str] | None = None) -> int:
                                          "else the compiler's own)")
     b.add_argument("--force", action="store_true", help="rebuild even if the artifact is up to date")
     b.add_argument("--quiet", action="store_true", help="no progress output")
+    add_debug_flag(b)
     args = parser.parse_args(argv)
-    try:
-        result = build(args.model_dir, target=args.target, out=args.out, prefill_buckets=args.prefill_buckets,
+    from .build import build  # after the arguments are checked: loads TVM
+
+    result = build(args.model_dir, target=args.target, out=args.out, prefill_buckets=args.prefill_buckets,
                        context_buckets=args.context_buckets, mcpu=args.mcpu, arch=args.arch,
                        cuda_compiler=args.cuda_compiler, ptx_version=args.ptx_version,
                        batch_rows=args.batch_rows, kv_pages=args.kv_pages, kv_block=args.kv_block_size,
                        matmul_precision=args.matmul_precision, force=args.force, quiet=args.quiet)
-    except RudaError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     print(json.dumps({"artifact": str(result.path), "reused": result.reused, "seconds": round(result.seconds, 2)}))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

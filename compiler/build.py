@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
+import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import tvm
@@ -15,23 +14,38 @@ from tqdm import tqdm
 
 import models
 from ir import format_program, stable_hash, to_json
-from ir.errors import RudaError
-from runtime.artifact import FORMAT, MANIFEST, MODULE, config_hash, default_artifact_dir
+from ir.contract import (
+    MANIFEST,
+    MODEL_PACKAGES,
+    MODULE,
+    PTX_FILE,
+    ArtifactError,
+    Buckets,
+    Manifest,
+    TensorSpec,
+    config_hash,
+    default_artifact_dir,
+    file_digest,
+    read_manifest,
+    source_hash,
+    verify_files,
+)
+from ir.errors import RudaError, storage_error
 from schedules import cpu, gpu
 
 from .cuda import CudaBuildError, CudaTarget, check_with_ptxas, cuda_target, export_with_ptx, prepare_environment
-from .lower import Buckets, kernel_signatures, lower_program
+from .lower import kernel_signatures, lower_program
+from .options import DEFAULT_CONTEXT_BUCKETS, DEFAULT_PREFILL_BUCKETS, TARGETS
+from .output import locked_output
 from .target import CpuTarget, cpu_target
 
-TARGETS = ("llvm", "cuda")
-PTX_FILE = "kernels.ptx"
-DEFAULT_PREFILL_BUCKETS = (16, 64, 256)
-DEFAULT_CONTEXT_BUCKETS = (512, 2048, 4096)
-_SOURCE_PACKAGES = ("ir", "models", "compiler", "schedules")
+COMPILER_PACKAGES = MODEL_PACKAGES + ("compiler", "schedules")  # a change to any of them rebuilds
 
 
 class BuildError(RudaError):
     """Bad build options."""
+
+    exit_code = 6
 
 
 @dataclass(frozen=True)
@@ -41,16 +55,6 @@ class BuildResult:
     path: Path
     reused: bool
     seconds: float
-
-
-def code_hash() -> str:
-    """Hash of the compiler's own source, so a changed schedule or kernel invalidates old artifacts."""
-    root = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256()
-    for pkg in _SOURCE_PACKAGES:
-        for path in sorted((root / pkg).glob("*.py")):
-            h.update(path.name.encode() + path.read_bytes())
-    return h.hexdigest()
 
 
 def resolve_buckets(prefill: tuple[int, ...] | None, context: tuple[int, ...] | None, max_positions: int,
@@ -125,50 +129,62 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
                               kv_block)
     out = Path(out) if out is not None else default_artifact_dir(model_dir, target)
     signatures = kernel_signatures(program, buckets)
-    manifest = {
-        "format": FORMAT,
-        "built_from": str(Path(model_dir).resolve()),
-        "model_type": program.model_type,
-        "config_hash": config_hash(raw),
-        "ir_hash": stable_hash(program),
-        "target": tgt.describe(),
-        "buckets": {"prefill_tokens": list(buckets.prefill_tokens), "context": list(buckets.context),
-                    **({"batch_rows": list(buckets.batch_rows), "kv_pages": buckets.kv_pages,
-                        "kv_block": buckets.kv_block, "pages_per_row": buckets.pages_per_row}
-                       if buckets.batch_rows else {})},
-        "tvm_version": tvm.__version__,
-        "code_hash": code_hash(),
-        "params": [{"name": p.name, "dtype": p.type.dtype, "shape": list(p.type.shape)} for p in program.params.values()],
-        "cache": _state_tensors(program.entries["decode"], {}),
-        "vocab_size": config.vocab_size,
-        "functions": [name for name, _, _ in buckets.functions()],
-        "kernels": [sig.name for sig in signatures],
-    }
-    if buckets.batch_rows:
-        step = program.entries["step"]
-        manifest["batch_state"] = _state_tensors(step, buckets.arena_dims())
-        manifest["step_inputs"] = [name for name in step.inputs if step.types[name].dtype == "int32"]
-    if isinstance(tgt, CudaTarget):
-        manifest["ptx_file"] = PTX_FILE
-    if not force and _up_to_date(out, manifest):
-        return BuildResult(out, True, time.perf_counter() - start)
-
-    progress = (lambda it: it) if quiet else (lambda it: tqdm(it, desc="scheduling kernels", unit="kernel"))
-    scan_lanes = tgt.lanes if isinstance(tgt, CpuTarget) else 1
-    module = lower_program(program, buckets, signatures, _scheduler(tgt), progress, scan_lanes)
-    if not quiet:
-        print(f"compiling {len(manifest['kernels'])} kernels and {len(manifest['functions'])} step functions "
-              f"for {_describe(tgt)}...", flush=True)
-    executable = _compile(module, tgt)
-    _write_atomically(out, manifest, program, lambda tmp: _export(executable, tgt, tmp))
+    manifest = Manifest(
+        built_from=str(Path(model_dir).resolve()),
+        model_type=program.model_type,
+        config_hash=config_hash(raw),
+        ir_hash=stable_hash(program),
+        model_code_hash=source_hash(MODEL_PACKAGES),
+        code_hash=source_hash(COMPILER_PACKAGES),
+        target=tgt.describe(),
+        buckets=buckets,
+        tvm_version=tvm.__version__,
+        params=tuple(TensorSpec(p.name, p.type.shape, p.type.dtype) for p in program.params.values()),
+        cache=_state_tensors(program.entries["decode"], {}),
+        vocab_size=config.vocab_size,
+        functions=tuple(name for name, _, _ in buckets.functions()),
+        kernels=tuple(sig.name for sig in signatures),
+        build_options=_options(tgt, buckets, mcpu),
+        batch_state=_state_tensors(program.entries["step"], buckets.arena_dims()) if buckets.batch_rows else (),
+        step_inputs=tuple(name for name in program.entries["step"].inputs
+                          if program.entries["step"].types[name].dtype == "int32") if buckets.batch_rows else (),
+    )
+    with locked_output(out, Path(model_dir)) as output:
+        if not force and _up_to_date(out, manifest):
+            return BuildResult(out, True, time.perf_counter() - start)
+        progress = (lambda it: it) if quiet else (lambda it: tqdm(it, desc="scheduling kernels", unit="kernel"))
+        scan_lanes = tgt.lanes if isinstance(tgt, CpuTarget) else 1
+        module = lower_program(program, buckets, signatures, _scheduler(tgt), progress, scan_lanes)
+        if not quiet:
+            print(f"compiling {len(manifest.kernels)} kernels and {len(manifest.functions)} step functions "
+                  f"for {_describe(tgt)}...", file=sys.stderr, flush=True)
+        executable = _compile(module, tgt)
+        output.commit(lambda folder: _write_artifact(folder, manifest, program, executable, tgt))
     return BuildResult(out, False, time.perf_counter() - start)
 
 
-def _state_tensors(graph, dims: dict[str, int]) -> list[dict]:
+def _options(tgt: CpuTarget | CudaTarget, buckets: Buckets, mcpu: str | None) -> tuple[str, ...]:
+    """The `compiler build` options (besides MODEL_DIR and --out) that reproduce this build."""
+    sizes = lambda values: ",".join(map(str, values))  # noqa: E731
+    options = ["--target", "llvm" if isinstance(tgt, CpuTarget) else "cuda",
+               "--prefill-buckets", sizes(buckets.prefill_tokens), "--context-buckets", sizes(buckets.context)]
+    if buckets.batch_rows:
+        options += ["--batch-rows", sizes(buckets.batch_rows), "--kv-pages", str(buckets.kv_pages),
+                    "--kv-block-size", str(buckets.kv_block)]
+    if isinstance(tgt, CudaTarget):
+        options += ["--arch", tgt.arch, "--cuda-compiler", tgt.compiler]
+        options += ["--ptx-version", tgt.ptx_version] if tgt.ptx_version else []
+    else:
+        options += ["--mcpu", mcpu] if mcpu else []
+        options += ["--matmul-precision", tgt.matmul_precision] if tgt.amx else []
+    return tuple(options)
+
+
+def _state_tensors(graph, dims: dict[str, int]) -> tuple[TensorSpec, ...]:
     """The state an entry carries across calls (its float inputs: KV caches or pages, recurrent states), with
     `dims` bound (the runtime binds the rest, e.g. the context capacity)."""
-    return [{"name": name, "shape": list(graph.types[name].bind(dims).shape), "dtype": graph.types[name].dtype}
-            for name in graph.inputs if graph.types[name].dtype == "float32"]
+    return tuple(TensorSpec(name, graph.types[name].bind(dims).shape, graph.types[name].dtype)
+                 for name in graph.inputs if graph.types[name].dtype == "float32")
 
 
 def _describe(tgt: CpuTarget | CudaTarget) -> str:
@@ -206,50 +222,41 @@ def _compile(module: tvm.IRModule, tgt: CpuTarget | CudaTarget):
         raise CudaBuildError(f"CUDA build through {_describe(tgt)} failed: {str(e).strip().splitlines()[-1]}") from None
 
 
-def _export(executable, tgt: CpuTarget | CudaTarget, directory: Path) -> None:
-    """Write the compiled module (and, for CUDA, its PTX, checked by ptxas) into `directory`."""
-    if isinstance(tgt, CpuTarget):
-        executable.export_library(str(directory / MODULE))
-        return
-    modules = export_with_ptx(executable, directory / MODULE, tgt)
-    if len(modules) != 1:
-        raise CudaBuildError(f"expected one PTX device module, got {len(modules)}")
-    ptx_path = directory / PTX_FILE
-    ptx_path.write_text(modules[0])
-    check_with_ptxas(ptx_path, tgt.arch)
-
-
-def _up_to_date(out: Path, manifest: dict) -> bool:
+def _write_artifact(folder: Path, manifest: Manifest, program, executable, tgt: CpuTarget | CudaTarget) -> None:
+    """Write the compiled module (and, for CUDA, its PTX, checked by ptxas), the IR and the manifest with the
+    module files' checksums into `folder`."""
     try:
-        old = json.loads((out / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        if isinstance(tgt, CpuTarget):
+            executable.export_library(str(folder / MODULE), workspace_dir=tempfile.mkdtemp())
+        else:
+            modules = export_with_ptx(executable, folder / MODULE, tgt)
+            if len(modules) != 1:
+                raise CudaBuildError(f"expected one PTX device module, got {len(modules)}")
+            (folder / PTX_FILE).write_text(modules[0])
+            check_with_ptxas(folder / PTX_FILE, tgt.arch)
+        (folder / "ir.json").write_text(to_json(program))
+        (folder / "ir.txt").write_text(format_program(program) + "\n")
+        files = [MODULE] + ([PTX_FILE] if isinstance(tgt, CudaTarget) else [])
+        manifest = replace(manifest, files={name: file_digest(folder / name) for name in files})
+        (folder / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1) + "\n")
+    except OSError as e:
+        raise storage_error(e, f"writing the artifact (in {folder})") from None
+    except tvm.error.TVMError as e:  # the exporter's own I/O failures (e.g. the linker on a full disk)
+        raise BuildError(f"writing the artifact into {folder} failed: {_last_line(e)}; check the free disk space "
+                         "and that the folder is writable") from None
+
+
+def _last_line(error: Exception) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
+def _up_to_date(out: Path, manifest: Manifest) -> bool:
+    """Whether `out` is an intact artifact of exactly this build."""
+    try:
+        old = read_manifest(out, "")
+        verify_files(out, old, "")
+    except ArtifactError:
         return False
-    informational = ("built_from",)
-    same = all(old.get(k) == v for k, v in manifest.items() if k not in informational)
-    files = [MODULE] + ([manifest["ptx_file"]] if "ptx_file" in manifest else [])
-    return same and set(old) == set(manifest) and all((out / f).is_file() for f in files)
-
-
-def _write_atomically(out: Path, manifest: dict, program, export) -> None:
-    """Write into a temp dir beside `out`, then swap it in, so no half-built artifact is ever visible."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
-        export(tmp)
-        (tmp / "ir.json").write_text(to_json(program))
-        (tmp / "ir.txt").write_text(format_program(program) + "\n")
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        if out.exists():
-            out.rename(old)
-        try:
-            tmp.rename(out)
-        except OSError:
-            if old.exists():
-                old.rename(out)  # keep the previous artifact rather than none
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
+    return old.same_build(manifest) and set(old.files) == ({MODULE, PTX_FILE} if manifest.target.kind == "cuda"
+                                                          else {MODULE})

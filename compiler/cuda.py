@@ -30,21 +30,23 @@ import tvm_ffi
 from tvm import tirx
 from tvm.tirx import compilation_pipeline
 
+from ir.contract import TargetSpec
 from ir.errors import RudaError
 
-ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
-COMPILERS = ("ptx", "nvrtc", "nvcc")
+from .options import ARCHS, COMPILER_ENV, COMPILERS, PTX_VERSION_ENV
+
 PTX_VERSIONS = ("7.0", "7.1", "7.2", "7.3", "7.4", "7.5", "7.6", "7.7", "7.8",
                 "8.0", "8.1", "8.2", "8.3", "8.4", "8.5", "8.6", "8.7", "8.8", "9.0")
 # The oldest PTX ISA that can target each architecture.
 MIN_PTX_VERSION = {"sm_80": "7.0", "sm_86": "7.1", "sm_89": "7.8", "sm_90": "7.8"}
-COMPILER_ENV, PTX_VERSION_ENV = "RUDA_CUDA_COMPILER", "RUDA_PTX_VERSION"
 NVPTX_PIPELINE = "ruda_nvptx"
 BLOCK_BARRIER = "llvm.nvvm.barrier.cta.sync.aligned.all"
 
 
 class CudaBuildError(RudaError):
     """A bad CUDA build option, a missing toolkit, or a kernel a path cannot compile."""
+
+    exit_code = 6
 
 
 def _version_key(version: str) -> tuple[int, int]:
@@ -71,9 +73,9 @@ class CudaTarget:
         """The TIR lowering pipeline: TVM's own, with the barrier fix on the direct path."""
         return NVPTX_PIPELINE if self.compiler == "ptx" else "default"
 
-    def describe(self) -> dict:
-        """JSON form for the manifest."""
-        return {"kind": "cuda", "arch": self.arch, "cuda_compiler": self.compiler, "ptx_version": self.ptx_version}
+    def describe(self) -> TargetSpec:
+        """The target as the manifest records it."""
+        return TargetSpec("cuda", arch=self.arch, cuda_compiler=self.compiler, ptx_version=self.ptx_version)
 
 
 @tirx.transform.prim_func_pass(opt_level=0, name="NvptxBarriers")

@@ -15,43 +15,10 @@ import tvm
 from tvm import relax
 from tvm.ir import PrimType
 
-from ir import BLOCK, CONTEXT, HISTORY, OPS, PAGES, PAGES_PER_ROW, ROWS, SLOTS, TOKENS, Graph, Program, TensorType
+from ir import OPS, Graph, Program, TensorType
+from ir.contract import Buckets
 
 from .kernels import Kernel, make_kernel
-
-
-@dataclass(frozen=True)
-class Buckets:
-    """The shape specialisations built: prefill chunk sizes and KV cache capacities (tokens), and for
-    batched execution (`batch_rows` non-empty) the sequences per step, the KV arena's page count and
-    the page size. A batch step carries up to the largest prefill bucket of tokens."""
-
-    prefill_tokens: tuple[int, ...]
-    context: tuple[int, ...]
-    batch_rows: tuple[int, ...] = ()
-    kv_pages: int = 0
-    kv_block: int = 16
-
-    @property
-    def pages_per_row(self) -> int:
-        """Block-table width: pages covering the largest context."""
-        return -(-self.context[-1] // self.kv_block)
-
-    def functions(self) -> list[tuple[str, str, dict[str, int]]]:
-        """(VM function name, entry name, dim bindings) for every specialisation."""
-        out = [(f"decode_c{c}", "decode", {CONTEXT: c}) for c in self.context]
-        out += [(f"prefill_t{t}_c{c}", "prefill", {TOKENS: t, CONTEXT: c})
-                for c in self.context for t in self.prefill_tokens if t <= c]
-        out += [(f"{prefix}_t{t}_r{r}", entry, {TOKENS: t, ROWS: r, **self.arena_dims()})
-                for prefix, entry in (("step", "step"), ("gather", "step_gather"))
-                for t in self.prefill_tokens for r in self.batch_rows if r <= t]
-        return out
-
-    def arena_dims(self) -> dict[str, int]:
-        """Bindings of the batched-state dims: KV pages and their size, state slots (one per row of the largest
-        batch), block-table width and the positions it covers."""
-        return {PAGES: self.kv_pages, BLOCK: self.kv_block, PAGES_PER_ROW: self.pages_per_row,
-                HISTORY: self.pages_per_row * self.kv_block, SLOTS: max(self.batch_rows, default=0)}
 
 
 @dataclass(frozen=True)

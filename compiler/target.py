@@ -8,14 +8,18 @@ import tvm
 from tvm.target import codegen
 
 from ir.errors import RudaError
-from runtime.cpu import AMX_FEATURES, CHECKED_FEATURES, host_cpu_flags
+from ir.contract import TargetSpec
+from ir.cpu_features import AMX_FEATURES, CHECKED_FEATURES, host_cpu_flags
+
+from .options import MATMUL_PRECISIONS
 
 TRIPLE = "x86_64-linux-gnu"
-MATMUL_PRECISIONS = ("float32", "bfloat16")
 
 
 class TargetError(RudaError):
     """An unknown or unusable compilation target."""
+
+    exit_code = 6
 
 
 @dataclass(frozen=True)
@@ -41,10 +45,10 @@ class CpuTarget:
         """The TVM target object."""
         return tvm.target.Target({"kind": "llvm", "mtriple": TRIPLE, "mcpu": self.mcpu})
 
-    def describe(self) -> dict:
-        """JSON form for the manifest."""
-        return {"kind": "llvm", "mtriple": TRIPLE, "mcpu": self.mcpu, "features": list(self.features),
-                "matmul_precision": self.matmul_precision}
+    def describe(self) -> TargetSpec:
+        """The target as the manifest records it."""
+        return TargetSpec("llvm", mtriple=TRIPLE, mcpu=self.mcpu, features=self.features,
+                          matmul_precision=self.matmul_precision)
 
 
 def cpu_target(mcpu: str | None = None, matmul_precision: str = "float32") -> CpuTarget:

@@ -1,5 +1,114 @@
-"""The error type every user-facing failure of the project derives from."""
+"""The project's error types, their exit codes, and the one error path every command-line tool goes through.
+
+A user error (bad input, bad files, unwritable paths, interrupts, closed pipes, a full disk) ends a CLI
+with one line on stderr and a distinct exit code (docs/errors.md lists them); `--debug` or RUDA_DEBUG=1
+adds the traceback. Anything else is a bug, reported as an internal error in one line too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import signal
+import sys
+import traceback
+import warnings
+from typing import Callable
+
+DEBUG_ENV = "RUDA_DEBUG"
+EXIT_INTERNAL = 70  # a bug: the message asks for a report
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+EXIT_BROKEN_PIPE = 141  # the reader of our output went away (128 + SIGPIPE)
+EXIT_TERMINATED = 143  # SIGTERM (128 + SIGTERM)
+_DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 class RudaError(Exception):
     """A problem with the user's input or files, with a message that says what to do."""
+
+    exit_code = 1
+
+
+class UsageError(RudaError):
+    """A command-line input that cannot be used: bad option values or combinations, unreadable input text."""
+
+    exit_code = 2
+
+
+class StorageError(RudaError):
+    """A file or folder cannot be read or written: permissions, a full disk, a file-size limit."""
+
+    exit_code = 8
+
+
+class RudaWarning(UserWarning):
+    """Something suspicious that does not stop the work (e.g. non-finite weights)."""
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: unwind like Ctrl-C, so temporary files are removed."""
+
+
+def storage_error(error: OSError, doing: str) -> StorageError:
+    """A StorageError for an OSError met while `doing` something, naming the path and the fix."""
+    path = error.filename or "?"
+    if error.errno in _DISK_FULL:
+        return StorageError(f"{path}: no space left (disk full or file size limit) while {doing}; free some space "
+                            "or write somewhere else")
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return StorageError(f"{path}: permission denied while {doing}; fix its permissions or use another path")
+    return StorageError(f"{path}: {error.strerror or error} while {doing}")
+
+
+def add_debug_flag(parser: argparse.ArgumentParser) -> None:
+    """The --debug option every CLI has."""
+    parser.add_argument("--debug", action="store_true", help=f"show tracebacks of errors (or set {DEBUG_ENV}=1)")
+
+
+def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:
+    """Run a CLI's `main(argv)` behind the one error path; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    warnings.showwarning = _show_warning
+    signal.signal(signal.SIGTERM, _terminate)
+    if hasattr(signal, "SIGXFSZ"):  # past a file-size limit, writes fail with EFBIG instead of killing us silently
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        return main(argv)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more can reach the reader
+        return _fail(debug, "output closed early (broken pipe); stopped", EXIT_BROKEN_PIPE)
+    except KeyboardInterrupt:
+        return _fail(debug, "interrupted", EXIT_INTERRUPTED)
+    except Terminated:
+        return _fail(debug, "terminated", EXIT_TERMINATED)
+    except RudaError as e:
+        return _fail(debug, f"error: {e}", e.exit_code)
+    except OSError as e:
+        error = storage_error(e, "working")
+        return _fail(debug, f"error: {error}", error.exit_code)
+    except MemoryError:
+        return _fail(debug, "error: out of memory; close other programs or use a smaller model or buckets", 8)
+    except Exception as e:  # a bug, not a user error: still one line, with how to get the details
+        return _fail(debug, f"internal error: {type(e).__name__}: {e}; rerun with --debug for the traceback and "
+                            "report it", EXIT_INTERNAL)
+
+
+def _fail(debug: bool, message: str, code: int) -> int:
+    if debug:
+        traceback.print_exc()
+    first, *_ = message.splitlines() or [""]
+    try:
+        print(first, file=sys.stderr, flush=True)
+    except OSError:
+        pass  # stderr is gone too: the exit code is all that is left
+    return code
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    print(f"warning: {message}", file=sys.stderr, flush=True)

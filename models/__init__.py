@@ -50,16 +50,29 @@ def tensor_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
     return checkpoint_shapes(config)
 
 
-def load_checkpoint_program(model_dir: str | Path) -> tuple[dict, DecoderConfig, dict[str, TensorEntry], Program]:
-    """(raw config.json, validated config, the checkpoint's tensors, the IR program for their dtypes).
+def ignored_tensors(config: DecoderConfig) -> tuple[str, ...]:
+    """Name prefixes of checkpoint tensors the text model does not use (the image-text checkpoint's vision tower,
+    multi-token-prediction heads)."""
+    if isinstance(config, qwen3_5.Qwen35Config):
+        return qwen3_5.IGNORED_PREFIXES
+    return ()
 
-    Every tensor the config implies is checked for presence, shape and dtype.
+
+def load_checkpoint(model_dir: str | Path) -> tuple[dict, DecoderConfig, dict[str, TensorEntry], dict[str, str]]:
+    """(raw config.json, validated config, the checkpoint's tensors, their dtypes by name).
+
+    The checkpoint must hold exactly the tensors the config implies, each with its shape and a float dtype.
     """
     raw, path = read_config_json(model_dir)
     config = parse_config(raw, str(path))
     tensors = scan_checkpoint(model_dir)
-    program = build_program(config, check_tensors(tensors, tensor_shapes(config), model_dir))
-    return raw, config, tensors, program
+    return raw, config, tensors, check_tensors(tensors, tensor_shapes(config), model_dir, ignored_tensors(config))
+
+
+def load_checkpoint_program(model_dir: str | Path) -> tuple[dict, DecoderConfig, dict[str, TensorEntry], Program]:
+    """(raw config.json, validated config, the checkpoint's tensors, the IR program for their dtypes)."""
+    raw, config, tensors, dtypes = load_checkpoint(model_dir)
+    return raw, config, tensors, build_program(config, dtypes)
 
 
 def checkpoint_tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
@@ -68,5 +81,5 @@ def checkpoint_tensor_shapes(raw_config: dict) -> dict[str, tuple[int, ...]]:
 
 
 __all__ = ["ARCHITECTURES", "DecoderConfig", "ModelConfigError", "build_program", "checkpoint_shapes",
-           "checkpoint_tensor_shapes", "load_checkpoint_program",
+           "checkpoint_tensor_shapes", "load_checkpoint", "load_checkpoint_program",
            "load_config", "parse_config"]

@@ -7,6 +7,7 @@ set listed by `model.safetensors.index.json`, and checks every file and tensor a
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +19,14 @@ ITEM_SIZE = {"F32": 4, "F16": 2, "BF16": 2}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER = 100 * 1024 * 1024
+ROTARY_BUFFER = "rotary_emb.inv_freq"  # a buffer older conversions saved with the weights: derived, so ignored
+_LAYER = re.compile(r"\blayers\.(\d+)\.")
 
 
 class CheckpointError(RudaError):
     """A weight file is missing, corrupt, or does not hold the tensors the model needs."""
+
+    exit_code = 4
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,9 @@ def _read_header(path: Path) -> dict[str, TensorEntry]:
             if n > _MAX_HEADER:
                 raise CheckpointError(f"{path}: header length {n} is implausible; the file is corrupt, re-download it")
             header = json.loads(f.read(n))
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror}); fix its permissions or restore it") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise CheckpointError(f"{path}: safetensors header is not valid JSON; the file is corrupt, re-download it") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header is not a JSON object; the file is corrupt, re-download it")
@@ -60,7 +67,7 @@ def _read_header(path: Path) -> dict[str, TensorEntry]:
             dtype, shape = info["dtype"], tuple(int(d) for d in info["shape"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: header entry for {name!r} is malformed; the file is corrupt") from None
-        if 8 + n + end > size or begin > end:
+        if 8 + n + end > size or not 0 <= begin <= end:
             raise CheckpointError(f"{path}: tensor {name!r} lies beyond the end of the file; the file is truncated, re-download it")
         entries[name] = TensorEntry(name, path, 8 + n + begin, 8 + n + end, dtype, shape)
     return entries
@@ -69,12 +76,24 @@ def _read_header(path: Path) -> dict[str, TensorEntry]:
 def _index_files(model_dir: Path) -> dict[str, Path]:
     index = model_dir / INDEX_FILE
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        weight_map = json.loads(index.read_bytes())["weight_map"]
+    except OSError as e:
+        raise CheckpointError(f"{index}: cannot be read ({e.strerror}); fix its permissions or restore it") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError):
         raise CheckpointError(f"{index}: not a valid index (needs a 'weight_map' object); restore it from the checkpoint") from None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard files")
-    return {name: model_dir / shard for name, shard in weight_map.items()}
+    root = model_dir.resolve()
+    files = {}
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise CheckpointError(f"{index}: the shard of {name!r} must be a file name, got {shard!r}")
+        path = model_dir / shard
+        if root not in path.resolve().parents:
+            raise CheckpointError(f"{index}: the shard of {name!r} ({shard}) lies outside the model directory; every "
+                                  f"shard must be a file inside {model_dir}")
+        files[name] = path
+    return files
 
 
 def scan_checkpoint(model_dir: str | Path) -> dict[str, TensorEntry]:
@@ -98,8 +117,10 @@ def scan_checkpoint(model_dir: str | Path) -> dict[str, TensorEntry]:
     return entries
 
 
-def check_tensors(entries: dict[str, TensorEntry], shapes: dict[str, tuple[int, ...]], model_dir: str | Path) -> dict[str, str]:
-    """Check every needed tensor is present with the right shape and a float dtype; returns name -> dtype."""
+def check_tensors(entries: dict[str, TensorEntry], shapes: dict[str, tuple[int, ...]], model_dir: str | Path,
+                  ignored: tuple[str, ...] = ()) -> dict[str, str]:
+    """Check the checkpoint holds exactly the tensors a config implies (each with its shape and a float dtype),
+    besides those whose names start with an `ignored` prefix or are rotary buffers; returns name -> dtype."""
     dtypes = {}
     for name, shape in shapes.items():
         entry = entries.get(name)
@@ -119,4 +140,13 @@ def check_tensors(entries: dict[str, TensorEntry], shapes: dict[str, tuple[int, 
             raise CheckpointError(f"{entry.file}: tensor {name!r} spans {entry.end - entry.start} bytes, not the "
                                   f"{count * ITEM_SIZE[entry.dtype]} its shape and dtype need; the file is corrupt")
         dtypes[name] = SAFETENSORS_DTYPES[entry.dtype]
+    extra = sorted(name for name in entries if name not in shapes and not name.startswith(ignored)
+                   and not name.endswith(ROTARY_BUFFER))
+    if extra:
+        layers = sorted({int(m.group(1)) for m in map(_LAYER.search, extra) if m})
+        what = (f"layers {layers[0]}..{layers[-1]} that config.json does not have" if layers else
+                f"{len(extra)} tensors config.json does not describe ({', '.join(extra[:3])}"
+                f"{', ...' if len(extra) > 3 else ''})")
+        raise CheckpointError(f"{model_dir}: the checkpoint holds {what}; the weights do not match config.json: "
+                              "restore the checkpoint's own config.json")
     return dtypes

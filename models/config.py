@@ -14,6 +14,8 @@ _REQUIRED = object()
 class ModelConfigError(RudaError):
     """config.json is missing, malformed, contradictory, or describes an unsupported model."""
 
+    exit_code = 3
+
 
 def read_config_json(model_dir: str | Path) -> tuple[dict, Path]:
     """The parsed config.json of a model directory and its path."""
@@ -23,8 +25,10 @@ def read_config_json(model_dir: str | Path) -> tuple[dict, Path]:
     if not path.is_file():
         raise ModelConfigError(f"{path}: missing; a model directory needs the config.json of its checkpoint")
     try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raw = json.loads(path.read_bytes())
+    except OSError as e:
+        raise ModelConfigError(f"{path}: cannot be read ({e.strerror}); fix its permissions or restore it") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ModelConfigError(f"{path}: not valid JSON ({e}); restore the file from the checkpoint") from None
     if not isinstance(raw, dict):
         raise ModelConfigError(f"{path}: must hold a JSON object")

@@ -49,6 +49,7 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 TOP_LEVEL_FALLBACKS = ("torch_dtype", "dtype", "tie_word_embeddings", "eos_token_id", "bos_token_id")
 PREFILL_CHUNK = 16  # tokens per chunk of the chunked delta rule in prefill (measured best on CPU: 16 >> 32, 64)
 NORM_OFFSET = 1.0  # Qwen3.5's RMSNorm weights are stored as (scale - 1)
+IGNORED_PREFIXES = ("model.visual.", "mtp.")  # the image-text checkpoint's vision tower, multi-token prediction
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ tokenizer work without loading TVM.
 from importlib import import_module
 
 _EXPORTS = {
-    "artifact": ["ArtifactError", "default_artifact_dir"],
+    "ir.contract": ["ArtifactError", "default_artifact_dir"],
     "batching": ["BatchExecutor"],
     "chat_template": ["ChatMessage", "ChatTemplateError"],
     "engine": ["CompiledModel", "GenerationError", "KVCache"],
@@ -27,6 +27,7 @@ def __getattr__(name: str):
     """Import an exported name from its module on first use."""
     if name not in _MODULE_OF:
         raise AttributeError(f"module 'runtime' has no attribute {name!r}")
-    value = getattr(import_module(f".{_MODULE_OF[name]}", __name__), name)
+    module = _MODULE_OF[name]
+    value = getattr(import_module(module if module.startswith("ir.") else f".{module}", __name__), name)
     globals()[name] = value
     return value

@@ -12,7 +12,7 @@ from .scheduler import ContinuousBatchConfig, ContinuousBatchScheduler, Finished
 def arena_config(model: CompiledModel) -> PagedKvCacheConfig:
     """The paged KV layout the artifact was built for (all its pages, the longest sequence it holds)."""
     b = model.batch_layout()
-    return PagedKvCacheConfig(b["kv_block"], b["kv_pages"], b["pages_per_row"] * b["kv_block"])
+    return PagedKvCacheConfig(b.kv_block, b.kv_pages, b.pages_per_row * b.kv_block)
 
 
 class BatchExecutor:
@@ -32,11 +32,11 @@ class BatchExecutor:
                 or kv_config.max_sequence_length > built.max_sequence_length:
             raise GenerationError(f"{kv_config} does not fit the artifact's KV arena {built}; rebuild with other "
                                   "--kv-pages / --kv-block-size / --context-buckets")
-        if batch_config.max_active_sequences > b["batch_rows"][-1] or batch_config.max_batch_tokens > b["prefill_tokens"][-1]:
-            raise GenerationError(f"{batch_config} exceeds the artifact's batch steps (rows up to {b['batch_rows'][-1]}, "
-                                  f"tokens up to {b['prefill_tokens'][-1]}); rebuild with larger --batch-rows / "
+        if batch_config.max_active_sequences > b.batch_rows[-1] or batch_config.max_batch_tokens > b.prefill_tokens[-1]:
+            raise GenerationError(f"{batch_config} exceeds the artifact's batch steps (rows up to {b.batch_rows[-1]}, "
+                                  f"tokens up to {b.prefill_tokens[-1]}); rebuild with larger --batch-rows / "
                                   "--prefill-buckets")
-        recurrent = any("_pool." in e["name"] for e in model.manifest["batch_state"])  # per-sequence recurrent states
+        recurrent = any("_pool." in e.name for e in model.manifest.batch_state)  # per-sequence recurrent states
         self.scheduler = ContinuousBatchScheduler(batch_config, kv_config, default_eos_token_ids,
                                                   share_prefixes=not recurrent)
         self.cache = model.new_batch_cache()

@@ -1,59 +1,105 @@
 """`python -m runtime.chat MODEL_DIR`: an interactive terminal chat that streams the reply as it is generated.
 
-Type a message and press Enter; `/reset` starts a new conversation; EOF (Ctrl-D) or Ctrl-C exits.
-Greedy by default; give --temperature (and optionally --top-k, --top-p, --seed) to sample.
+Type a message and press Enter; `/reset` starts a new conversation; EOF (Ctrl-D) or Ctrl-C at the prompt
+exits, Ctrl-C during a reply stops that reply. Greedy by default; give --temperature (and optionally
+--top-k, --top-p, --seed) to sample. When the conversation outgrows the model's context, the oldest
+turns are dropped (and the chat says so).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 
-from ir.errors import RudaError
+from ir.errors import RudaError, UsageError, add_debug_flag, run_cli
 
-from .pipeline import load_pipeline
-from .sampling import GreedyGenerationConfig, SamplingConfig, SamplingGenerationConfig
+SAMPLING_OPTIONS = ("top_k", "top_p", "seed")
 
 
-def _config(args) -> GreedyGenerationConfig:
+def _config(args):
+    """The generation config the options ask for; sampling options without --temperature are an error."""
+    from .sampling import GreedyGenerationConfig, SamplingConfig, SamplingGenerationConfig
+
     if args.temperature is None:
+        given = [f"--{name.replace('_', '-')}" for name in SAMPLING_OPTIONS if getattr(args, name) is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} only apply when sampling; add --temperature T (greedy otherwise)")
         return GreedyGenerationConfig(args.max_new_tokens, repetition_penalty=args.repetition_penalty)
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling = SamplingConfig(args.temperature, args.top_k or 0, 1.0 if args.top_p is None else args.top_p, args.seed)
     return SamplingGenerationConfig(args.max_new_tokens, repetition_penalty=args.repetition_penalty, sampling=sampling)
 
 
-def chat(pipeline, config: GreedyGenerationConfig, system: str | None, read=input, write=sys.stdout.write) -> None:
-    """Run the conversation loop until EOF."""
+def fit_conversation(pipeline, history: list[dict], message: str, max_new_tokens: int) -> tuple[str, int, list[dict]]:
+    """(prompt, new tokens, history kept): the conversation rendered with `message`, without as many of the oldest
+    user/assistant turns as it takes to leave room for a reply within the context, and the reply's length capped
+    by the room left. A message too long on its own is an error."""
+    limit = pipeline.model.max_context
+    first = 1 if history and history[0]["role"] == "system" else 0
+    kept = list(history)
+    while True:
+        prompt = pipeline.render_chat(kept + [{"role": "user", "content": message}], add_generation_prompt=True)
+        tokens = len(pipeline.encode(prompt, add_special_tokens=False))
+        if tokens + max_new_tokens <= limit or len(kept) <= first:
+            break
+        del kept[first:first + 2]  # the oldest user message and its reply
+    if tokens >= limit:
+        raise UsageError(f"this message needs {tokens} tokens with the chat template, more than the model's context "
+                         f"of {limit}; send a shorter one (or /reset)")
+    return prompt, min(max_new_tokens, limit - tokens), kept
+
+
+def chat(pipeline, config, system: str | None, read=input, write=sys.stdout.write) -> None:
+    """Run the conversation loop until EOF or Ctrl-C at the prompt."""
+    from dataclasses import replace
+
+    from .sampling import SamplingGenerationConfig
+
     history = [{"role": "system", "content": system}] if system else []
-    sampled = isinstance(config, SamplingGenerationConfig)
+    stream_text = pipeline.stream_text_sampled if isinstance(config, SamplingGenerationConfig) else pipeline.stream_text
     while True:
         try:
             line = read("> ")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):
             write("\n")
             return
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:
+            write("[that line is not valid UTF-8 text; type it again]\n")
+            continue
         if line.strip() == "/reset":
             history = history[:1] if system else []
             write("(new conversation)\n")
             continue
         if not line.strip():
             continue
-        messages = history + [{"role": "user", "content": line}]
-        prompt = pipeline.render_chat(messages, add_generation_prompt=True)
-        stream = (pipeline.stream_text_sampled if sampled else pipeline.stream_text)(prompt, config, add_special_tokens=False)
+        try:
+            prompt, new_tokens, kept = fit_conversation(pipeline, history, line, config.max_new_tokens)
+        except RudaError as e:
+            write(f"[{e}]\n")
+            continue
+        if len(kept) < len(history):
+            write(f"(the conversation outgrew the context: its {(len(history) - len(kept)) // 2} oldest turn(s) are "
+                  "dropped; /reset starts over)\n")
+            history = kept
+        stream = stream_text(prompt, replace(config, max_new_tokens=new_tokens), add_special_tokens=False)
         try:
             for delta in stream:
                 write(delta)
                 sys.stdout.flush()
+        except KeyboardInterrupt:
+            write("\n(reply stopped)\n")
+            continue
         except RudaError as e:
             write(f"\n[{e}; /reset starts a new conversation]\n")
             continue
         write("\n")
-        history = messages + [{"role": "assistant", "content": stream.result.generated_text}]
+        history += [{"role": "user", "content": line}, {"role": "assistant", "content": stream.result.generated_text}]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the chat CLI; returns the exit status."""
+def main(argv: list[str]) -> int:
+    """Run the chat CLI on `argv`; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m runtime.chat", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", metavar="MODEL_DIR")
@@ -63,22 +109,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system", help="system prompt")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, help="sample at this temperature (default: greedy)")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int)
+    parser.add_argument("--top-k", type=int, help="sampling: keep the k most likely tokens (0: all)")
+    parser.add_argument("--top-p", type=float, help="sampling: nucleus probability in (0, 1] (1: all)")
+    parser.add_argument("--seed", type=int, help="sampling: seed of the draws (default: random)")
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
-    try:
-        config = _config(args)
-        pipeline = load_pipeline(args.model_dir, args.artifact, args.device)
-        chat(pipeline, config, args.system)
-    except KeyboardInterrupt:
-        sys.stdout.write("\n")
-    except RudaError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    if args.system is not None:
+        try:
+            args.system.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError("--system is not valid UTF-8 text; pass UTF-8 text") from None
+    config = _config(args)
+    from .pipeline import load_pipeline  # after the arguments are checked: loads TVM
+
+    pipeline = load_pipeline(args.model_dir, args.artifact, args.device)
+    if isinstance(sys.stdin, io.TextIOWrapper):  # undecodable input reaches chat() as lone surrogates, not a crash
+        sys.stdin.reconfigure(errors="surrogateescape")
+    chat(pipeline, config, args.system)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -22,6 +22,8 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 class ChatTemplateError(RudaError, ValueError):
     """Invalid chat messages, or a checkpoint without a usable chat template."""
 
+    exit_code = 4
+
 
 @dataclass(frozen=True)
 class ChatMessage:
@@ -52,22 +54,42 @@ def _special_token(value) -> str | None:
     return value.get("content") if isinstance(value, Mapping) else value
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ChatTemplateError(f"{path}: cannot be read ({e.strerror}); fix its permissions or restore it") from None
+    except UnicodeDecodeError:
+        raise ChatTemplateError(f"{path}: not UTF-8 text; restore it from the checkpoint") from None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(_read_text(path))
+    except (json.JSONDecodeError, RecursionError):
+        raise ChatTemplateError(f"{path}: not valid JSON; restore it from the checkpoint") from None
+    if not isinstance(value, dict):
+        raise ChatTemplateError(f"{path}: must hold a JSON object; restore it from the checkpoint")
+    return value
+
+
 class ChatTemplate:
     """A checkpoint's chat template with the special tokens it may refer to."""
 
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer_config.json"
-        try:
-            config = json.loads(path.read_text()) if path.is_file() else {}
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ChatTemplateError(f"{path}: not valid JSON; restore it from the checkpoint") from None
+        config = _read_json(path) if path.is_file() else {}
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: use the default one
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+            template = next((t.get("template") for t in template if isinstance(t, Mapping)
+                             and t.get("name") == "default"), None)
         jinja_file = model_dir / "chat_template.jinja"
         if jinja_file.is_file():
-            template = jinja_file.read_text()
+            template = _read_text(jinja_file)
+        if template is not None and not isinstance(template, str):
+            raise ChatTemplateError(f"{path}: chat_template must be a string, got {type(template).__name__}; "
+                                    "restore it from the checkpoint")
         self.template: str | None = template
         self.source = jinja_file if jinja_file.is_file() else path
         self.special_tokens = {k: _special_token(config.get(k)) for k in SPECIAL_TOKEN_KEYS}

@@ -13,11 +13,22 @@ import tvm_ffi
 from tvm.runtime.vm import VirtualMachine
 
 import models
-from ir import CONTEXT, stable_hash
+from ir import CONTEXT
+from ir.contract import (
+    MODEL_PACKAGES,
+    MODULE,
+    ArtifactError,
+    Buckets,
+    build_command,
+    config_hash,
+    default_artifact_dir,
+    read_manifest,
+    source_hash,
+    verify_files,
+)
+from ir.cpu_features import missing_host_features
 from ir.errors import RudaError
-
-from .artifact import MODULE, ArtifactError, build_command, config_hash, default_artifact_dir, read_manifest
-from .cpu import enable_amx, missing_host_features, use_all_cores
+from .cpu import enable_amx, use_all_cores
 from .weights import load_tensors
 
 TARGETS = {"cpu": "llvm", "cuda": "cuda"}
@@ -28,6 +39,8 @@ use_all_cores()
 
 class GenerationError(RudaError):
     """A request the loaded model cannot serve (too long for its buckets, ids out of range)."""
+
+    exit_code = 7
 
 
 @dataclass
@@ -57,6 +70,24 @@ class KVCache:
     length: int = 0
 
 
+def _without(options: tuple[str, ...], *flags: str) -> tuple[str, ...]:
+    """Build options with these flags (and their values) left out."""
+    out, skip = [], False
+    for option in options:
+        if skip:
+            skip = False
+        elif option in flags:
+            skip = True
+        else:
+            out.append(option)
+    return tuple(out)
+
+
+def _last_line(error: Exception) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
 def prefill_chunk(remaining: int, buckets: list[int]) -> int:
     """The bucket for the next prefill chunk: the largest that is filled, else the smallest that holds the rest.
 
@@ -79,68 +110,100 @@ class CompiledModel:
             raise GenerationError("--device cuda: no CUDA GPU is visible on this machine; run on a machine with an "
                                   "NVIDIA GPU and driver, or use --device cpu")
         self.model_dir = Path(model_dir)
-        raw, self.config, entries, program = models.load_checkpoint_program(model_dir)
+        raw, self.config, entries, dtypes = models.load_checkpoint(model_dir)
         self.artifact = Path(artifact) if artifact is not None else default_artifact_dir(model_dir, self.target)
-        self.manifest = read_manifest(self.artifact, model_dir, self.target)
-        self._check_manifest(raw, stable_hash(program))
-        self._vm = VirtualMachine(tvm.runtime.load_module(str(self.artifact / MODULE)), self.device)
-        self._functions = {name: self._vm[name] for name in self.manifest["functions"]}
-        names = [p["name"] for p in self.manifest["params"]]
+        self.manifest = read_manifest(self.artifact, build_command(model_dir, self.target, artifact))
+        self._check_target(artifact)
+        rebuild = build_command(model_dir, self.target, artifact, self.manifest.build_options)
+        self._check_manifest(raw, dtypes, rebuild)
+        verify_files(self.artifact, self.manifest, rebuild)
+        try:
+            self._vm = VirtualMachine(tvm.runtime.load_module(str(self.artifact / MODULE)), self.device)
+            self._functions = {name: self._vm[name] for name in self.manifest.functions}
+        except Exception as e:  # TVM raises bare errors for a module it cannot load
+            raise ArtifactError(f"{self.artifact / MODULE} cannot be loaded ({_last_line(e)}); rebuild: {rebuild}") \
+                from None
+        names = [p.name for p in self.manifest.params]
         self._params = tvm_ffi.Array(load_tensors(entries, names, self.device))
-        self.prefill_buckets = tuple(self.manifest["buckets"]["prefill_tokens"])
-        self.context_buckets = tuple(self.manifest["buckets"]["context"])
+        self.prefill_buckets = self.manifest.buckets.prefill_tokens
+        self.context_buckets = self.manifest.buckets.context
         self.load_seconds = time.perf_counter() - start
 
-    def _check_manifest(self, raw_config: dict, ir_hash: str) -> None:
-        m, rebuild = self.manifest, build_command(self.model_dir, self.target) + " --force"
-        if m["model_type"] != self.config.model_type or m["config_hash"] != config_hash(raw_config):
+    def _check_target(self, artifact) -> None:
+        """The artifact must be for this device; else say which device runs it and how to build for this one."""
+        kind = self.manifest.target.kind
+        if kind == self.target:
+            return
+        device = next(d for d, t in TARGETS.items() if t == kind)
+        raise ArtifactError(f"{self.artifact} was built for --target {kind}: run it with --device {device}, or build "
+                            f"one for this device: {build_command(self.model_dir, self.target, artifact)}")
+
+    def _check_manifest(self, raw_config: dict, dtypes: dict[str, str], rebuild: str) -> None:
+        m = self.manifest
+        if m.model_type != self.config.model_type or m.config_hash != config_hash(raw_config):
             raise ArtifactError(f"{self.artifact} was built for another model or config.json "
-                                f"(built from {m['built_from']}); rebuild: {rebuild}")
-        if m["tvm_version"] != tvm.__version__:
-            raise ArtifactError(f"{self.artifact} was built with TVM {m['tvm_version']}, this is TVM {tvm.__version__}; "
+                                f"(built from {m.built_from}); rebuild: {rebuild}")
+        if m.tvm_version != tvm.__version__:
+            raise ArtifactError(f"{self.artifact} was built with TVM {m.tvm_version}, this is TVM {tvm.__version__}; "
                                 f"rebuild: {rebuild}")
-        if m["target"]["kind"] != self.target:
-            raise ArtifactError(f"{self.artifact} targets {m['target']['kind']}, not {self.target}; rebuild: {rebuild}")
+        if m.model_code_hash != source_hash(MODEL_PACKAGES):
+            raise ArtifactError(f"{self.artifact} was built by another version of the model code (ir/, models/); "
+                                f"rebuild: {rebuild}")
+        changed = [f"{p.name} is {dtypes.get(p.name)} here, {p.dtype} in the artifact" for p in m.params
+                   if dtypes.get(p.name) != p.dtype]
+        if changed:
+            raise ArtifactError(f"{self.artifact} was built for other weights ({changed[0]}); rebuild: {rebuild}")
         if self.target == "cuda":
-            arch = int(m["target"]["arch"].removeprefix("sm_"))
+            arch = int(m.target.arch.removeprefix("sm_"))
             here = int(self.device.compute_version.replace(".", ""))
             if arch > here:
-                raise ArtifactError(f"{self.artifact} holds PTX for {m['target']['arch']}, which this GPU (sm_{here}) "
-                                    f"cannot run; rebuild: {rebuild} --arch sm_{here}")
-        missing = missing_host_features(m["target"].get("features", []))
+                rebuild_here = build_command(self.model_dir, self.target, self.artifact,
+                                             _without(m.build_options, "--arch") + ("--arch", f"sm_{here}"))
+                raise ArtifactError(f"{self.artifact} holds PTX for {m.target.arch}, which this GPU (sm_{here}) "
+                                    f"cannot run; rebuild: {rebuild_here}")
+        missing = missing_host_features(list(m.target.features))
         if missing:
-            raise ArtifactError(f"{self.artifact} was compiled for CPU {m['target']['mcpu']!r}, which uses {missing} "
-                                f"that this machine lacks; rebuild here: {rebuild}")
-        if "amx-tile" in m["target"].get("features", []):
+            rebuild_here = build_command(self.model_dir, self.target, self.artifact,
+                                         _without(m.build_options, "--mcpu", "--matmul-precision"))
+            raise ArtifactError(f"{self.artifact} was compiled for CPU {m.target.mcpu!r}, which uses {missing} "
+                                f"that this machine lacks; rebuild here: {rebuild_here}")
+        if "amx-tile" in m.target.features:
             try:
                 enable_amx()
             except OSError as e:
+                rebuild_plain = build_command(self.model_dir, self.target, self.artifact,
+                                              _without(m.build_options, "--matmul-precision"))
                 raise ArtifactError(f"{self.artifact} runs its prefill products on AMX tiles, but {e.strerror}; "
-                                    f"rebuild without them: {rebuild}") from None
-        if m["ir_hash"] != ir_hash:
-            raise ArtifactError(f"{self.artifact} does not match the weights in {self.model_dir} (tensor dtypes or "
-                                f"shapes changed); rebuild: {rebuild}")
+                                    f"rebuild without them: {rebuild_plain}") from None
 
     @property
     def max_context(self) -> int:
         """The most tokens (prompt + generated) one sequence can hold."""
         return self.context_buckets[-1]
 
+    def check_request(self, prompt_tokens: int, max_new_tokens: int, where: str = "the request") -> None:
+        """Refuse a request whose prompt and new tokens cannot fit one sequence's context."""
+        if prompt_tokens + max_new_tokens > self.max_context:
+            raise GenerationError(f"{where}: {prompt_tokens} prompt tokens + {max_new_tokens} new tokens exceed the "
+                                  f"largest context bucket {self.max_context}; shorten the prompt, ask for fewer new "
+                                  "tokens, or rebuild with a larger --context-buckets (up to max_position_embeddings "
+                                  f"{self.config.max_position_embeddings})")
+
     def new_cache(self, tokens: int | None = None) -> KVCache:
         """An empty cache of the smallest capacity bucket that holds `tokens` tokens (default: the largest)."""
         tokens = self.max_context if tokens is None else tokens
         fitting = [c for c in self.context_buckets if c >= tokens]
         if not fitting:
-            raise GenerationError(f"{tokens} tokens (prompt + new tokens) exceed the largest context bucket "
-                                  f"{self.max_context}; shorten the request or rebuild with a larger "
-                                  f"--context-buckets (up to max_position_embeddings {self.config.max_position_embeddings})")
+            raise GenerationError(f"{tokens} tokens exceed the largest context bucket {self.max_context}; shorten "
+                                  "the request or rebuild with a larger --context-buckets (up to "
+                                  f"max_position_embeddings {self.config.max_position_embeddings})")
         tensors = []
-        for entry in self.manifest["cache"]:
-            shape = tuple(fitting[0] if d == CONTEXT else d for d in entry["shape"])
-            if CONTEXT in entry["shape"]:  # KV rows are written before they are read
-                tensors.append(tvm.runtime.empty(shape, entry["dtype"], self.device))
+        for entry in self.manifest.cache:
+            shape = tuple(fitting[0] if d == CONTEXT else d for d in entry.shape)
+            if CONTEXT in entry.shape:  # KV rows are written before they are read
+                tensors.append(tvm.runtime.empty(shape, entry.dtype, self.device))
             else:  # recurrent state starts at zero
-                tensors.append(tvm.runtime.tensor(np.zeros(shape, entry["dtype"]), self.device))
+                tensors.append(tvm.runtime.tensor(np.zeros(shape, entry.dtype), self.device))
         return KVCache(tensors, fitting[0])
 
     def forward(self, token_ids: list[int], cache: KVCache) -> np.ndarray:
@@ -168,12 +231,13 @@ class CompiledModel:
         """The logits after the last of `token_ids`, appended to `cache` (pass only tokens not yet in it)."""
         return self.forward(token_ids, cache)
 
-    def batch_layout(self) -> dict:
+    def batch_layout(self) -> Buckets:
         """The artifact's batched-step buckets and KV arena layout, or an error saying how to build them."""
-        b = self.manifest["buckets"]
-        if not b.get("batch_rows"):
-            raise GenerationError(f"{self.artifact} has no batched steps; rebuild with --batch-rows (e.g. "
-                                  f"{build_command(self.model_dir, self.target)} --batch-rows 1,4,16)")
+        b = self.manifest.buckets
+        if not b.batch_rows:
+            options = self.manifest.build_options + ("--batch-rows", "1,4,16")
+            raise GenerationError(f"{self.artifact} has no batched steps; rebuild with --batch-rows: "
+                                  f"{build_command(self.model_dir, self.target, self.artifact, options)}")
         return b
 
     def new_batch_cache(self) -> "BatchCache":
@@ -184,8 +248,8 @@ class CompiledModel:
         if choice not in ATTENTION_PATHS:
             raise GenerationError(f"{PAGED_ATTENTION_ENV}={choice!r} is not valid; use 'fused' (paged attention over "
                                   "the KV arena) or 'legacy' (history gathered first), or leave it unset (legacy)")
-        names = [entry["name"] for entry in self.manifest["batch_state"]]
-        tensors = [tvm.runtime.empty(tuple(e["shape"]), e["dtype"], self.device) for e in self.manifest["batch_state"]]
+        names = [entry.name for entry in self.manifest.batch_state]
+        tensors = [tvm.runtime.empty(tuple(e.shape), e.dtype, self.device) for e in self.manifest.batch_state]
         return BatchCache(names, tensors, choice)
 
     def copy_page(self, cache: "BatchCache", src: int, dst: int) -> None:
@@ -203,17 +267,17 @@ class CompiledModel:
         """Run one batch: each row is (new token ids, start position, page table, state slot); logits after each
         row's last token. A failed step leaves the cache unusable."""
         cache.check()
-        b = self.manifest["buckets"]
-        block, width = b["kv_block"], b["pages_per_row"]
+        b = self.manifest.buckets
+        block, width = b.kv_block, b.pages_per_row
         total = sum(len(ids) for ids, *_ in rows)
-        row_bucket = next((r for r in b["batch_rows"] if r >= len(rows)), None)
-        tokens = next((t for t in b["prefill_tokens"] if t >= max(total, row_bucket or 0)), None)
+        row_bucket = next((r for r in b.batch_rows if r >= len(rows)), None)
+        tokens = next((t for t in b.prefill_tokens if t >= max(total, row_bucket or 0)), None)
         if tokens is None or row_bucket is None:
             raise GenerationError(f"a batch of {len(rows)} sequences and {total} tokens exceeds the built batch steps "
-                                  f"(rows {b['batch_rows']}, tokens {b['prefill_tokens']})")
-        bad_slot = [slot for *_, slot in rows if not 0 <= slot < b["batch_rows"][-1]]
+                                  f"(rows {list(b.batch_rows)}, tokens {list(b.prefill_tokens)})")
+        bad_slot = [slot for *_, slot in rows if not 0 <= slot < b.batch_rows[-1]]
         if bad_slot:
-            raise GenerationError(f"state slots {bad_slot} are outside 0..{b['batch_rows'][-1] - 1}")
+            raise GenerationError(f"state slots {bad_slot} are outside 0..{b.batch_rows[-1] - 1}")
         ids, pos_of, row_of = (np.zeros(tokens, np.int32) for _ in range(3))
         slots = np.full(tokens, -1, np.int32)
         table = np.full((row_bucket, width), -1, np.int32)
@@ -234,7 +298,7 @@ class CompiledModel:
         values = {"ids": ids, "pos_of": pos_of, "row_of": row_of, "slots": slots, "block_table": table, "last": last,
                   "n": total, "seq_start": seq_start, "seq_len": seq_len, "seq_pos": seq_pos, "seq_slot": seq_slot}
         inputs = [v if isinstance(v, int) else tvm.runtime.tensor(v, self.device)
-                  for v in (values[name] for name in self.manifest["step_inputs"])]
+                  for v in (values[name] for name in self.manifest.step_inputs)]
         function = f"{ATTENTION_PATHS[cache.attention]}_t{tokens}_r{row_bucket}"
         try:
             out = self._functions[function](*inputs, *cache.tensors, self._params)

@@ -17,14 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from ir.errors import RudaError
+from ir.errors import UsageError, add_debug_flag, run_cli
 
-from .batching import BatchExecutor
-from .pipeline import QWEN35_TYPES, load_pipeline
-from .sampling import GreedyGenerationConfig
-from .scheduler import ContinuousBatchConfig
-
-DEFAULT_NEW_TOKENS = dict.fromkeys(QWEN35_TYPES, 8)  # new tokens when not given; every other model: 32
+QWEN35_NEW_TOKENS = 8  # new tokens when not given for Qwen3.5; every other model: 32
 
 
 def _positive(name: str):
@@ -39,8 +34,8 @@ def _positive(name: str):
     return parse
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the generate CLI; returns the exit status."""
+def main(argv: list[str]) -> int:
+    """Run the generate CLI on `argv`; returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m runtime.generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", metavar="MODEL_DIR")
@@ -54,60 +49,76 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", metavar="FILE", help="serve every line of FILE as a prompt, all at once")
     parser.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"),
                         help="with --batch: new tokens per prompt (default 32, Qwen3.5: 8)")
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
     if (args.prompt is None) == (args.batch is None):
         parser.error("give either PROMPT or --batch FILE")
-    try:
-        prompts = _read_prompts(args.batch) if args.batch else None
-        pipeline = load_pipeline(args.model_dir, args.artifact, args.device)
-        model = pipeline.model
-        target = model.manifest["target"]
-        print(json.dumps({"event": "load", "model": str(Path(args.model_dir)), "model_type": model.config.model_type,
-                          "target": target["kind"], **{k: target[k] for k in ("mcpu", "arch") if k in target},
-                          "artifact": str(model.artifact), "load_seconds": round(model.load_seconds, 3)}), flush=True)
-        default_new = DEFAULT_NEW_TOKENS.get(model.config.model_type, 32)
-        if prompts is not None:
-            _serve_batch(pipeline, prompts, args.max_new_tokens or default_new)
-            return 0
-        config = GreedyGenerationConfig(max_new_tokens=args.max_new_tokens or default_new)
-        for run in range(args.runs):
-            r = pipeline.generate_text(args.prompt, config, add_special_tokens=True, skip_special_tokens=True)
-            decode_steps = len(r.generated_token_ids) - 1
-            print(json.dumps({
-                "event": "run", "run": run, "text": r.text, "generated_text": r.generated_text,
-                "generated_token_ids": r.generated_token_ids, "prompt_token_ids": r.prompt_token_ids,
-                "prompt_tokens": len(r.prompt_token_ids), "stopped_on_eos": r.stopped_on_eos,
-                "finish_reason": r.finish_reason,
-                "prefill_seconds": round(r.prefill_seconds, 6), "decode_seconds": round(r.decode_seconds, 6),
-                "prefill_tokens_per_s": round(len(r.prompt_token_ids) / r.prefill_seconds, 2),
-                "decode_tokens_per_s": round(decode_steps / r.decode_seconds, 2) if decode_steps else None,
-            }), flush=True)
-    except RudaError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    prompts = _read_prompts(args.batch) if args.batch else [_text(args.prompt, "PROMPT")]
+
+    from .pipeline import QWEN35_TYPES, load_pipeline  # after the arguments are checked: loads TVM
+    from .sampling import GreedyGenerationConfig
+
+    pipeline = load_pipeline(args.model_dir, args.artifact, args.device)
+    model = pipeline.model
+    target = model.manifest.target
+    print(json.dumps({"event": "load", "model": str(Path(args.model_dir)), "model_type": model.config.model_type,
+                      "target": target.kind, **{k: getattr(target, k) for k in ("mcpu", "arch") if getattr(target, k)},
+                      "artifact": str(model.artifact), "load_seconds": round(model.load_seconds, 3)}), flush=True)
+    default_new = QWEN35_NEW_TOKENS if model.config.model_type in QWEN35_TYPES else 32
+    if args.batch:
+        _serve_batch(pipeline, prompts, GreedyGenerationConfig(max_new_tokens=args.max_new_tokens or default_new))
+        return 0
+    config = GreedyGenerationConfig(max_new_tokens=args.max_new_tokens or default_new)
+    for run in range(args.runs):
+        r = pipeline.generate_text(prompts[0], config, add_special_tokens=True, skip_special_tokens=True)
+        decode_steps = len(r.generated_token_ids) - 1
+        print(json.dumps({
+            "event": "run", "run": run, "text": r.text, "generated_text": r.generated_text,
+            "generated_token_ids": r.generated_token_ids, "prompt_token_ids": r.prompt_token_ids,
+            "prompt_tokens": len(r.prompt_token_ids), "stopped_on_eos": r.stopped_on_eos,
+            "finish_reason": r.finish_reason,
+            "prefill_seconds": round(r.prefill_seconds, 6), "decode_seconds": round(r.decode_seconds, 6),
+            "prefill_tokens_per_s": round(len(r.prompt_token_ids) / r.prefill_seconds, 2),
+            "decode_tokens_per_s": round(decode_steps / r.decode_seconds, 2) if decode_steps else None,
+        }), flush=True)
     return 0
+
+
+def _text(value: str, what: str) -> str:
+    """A command-line text, which must be valid UTF-8 (undecodable bytes reach Python as lone surrogates)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{what} is not valid UTF-8 text (bad byte at character {e.start}); pass UTF-8 text") from None
+    return value
 
 
 def _read_prompts(path: str) -> list[str]:
     try:
-        lines = Path(path).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise RudaError(f"--batch {path}: cannot be read ({e})") from None
+        lines = Path(path).read_bytes().decode("utf-8").splitlines()
+    except OSError as e:
+        raise UsageError(f"--batch {path}: cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--batch {path}: not valid UTF-8 text (bad byte at offset {e.start})") from None
     prompts = [line for line in lines if line.strip()]
     if not prompts:
-        raise RudaError(f"--batch {path}: holds no prompts (one prompt per line)")
+        raise UsageError(f"--batch {path}: holds no prompts (one prompt per line)")
     return prompts
 
 
-def _serve_batch(pipeline, prompts: list[str], max_new_tokens: int) -> None:
+def _serve_batch(pipeline, prompts: list[str], config) -> None:
     """Serve every prompt at once through the batch executor, printing each result as it finishes."""
+    from .batching import BatchExecutor
+    from .scheduler import ContinuousBatchConfig
+
     model = pipeline.model
-    buckets = model.manifest["buckets"]
-    executor = BatchExecutor(model, ContinuousBatchConfig(max(buckets.get("batch_rows") or [1]),
-                                                          buckets["prefill_tokens"][-1]),
+    buckets = model.batch_layout()
+    executor = BatchExecutor(model, ContinuousBatchConfig(buckets.batch_rows[-1], buckets.prefill_tokens[-1]),
                              default_eos_token_ids=pipeline.default_eos_token_ids)
-    config = GreedyGenerationConfig(max_new_tokens=max_new_tokens)
-    index = {executor.submit(pipeline.encode(p), config): i for i, p in enumerate(prompts)}
+    encoded = [pipeline.encode(p) for p in prompts]
+    for line, ids in enumerate(encoded, 1):
+        model.check_request(len(ids), config.max_new_tokens, where=f"--batch prompt {line}")
+    index = {executor.submit(ids, config): i for i, ids in enumerate(encoded)}
     start, generated = time.perf_counter(), 0
     for done in executor.run():
         i = index[done.request_id]
@@ -123,4 +134,4 @@ def _serve_batch(pipeline, prompts: list[str], max_new_tokens: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

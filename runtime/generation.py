@@ -36,6 +36,7 @@ class TokenStream:
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.config = config
         self.eos = set(config.eos_token_ids if config.eos_token_ids is not None else default_eos)
+        model.check_request(len(self.prompt_ids), config.max_new_tokens)
         self.cache = model.new_cache(len(self.prompt_ids) + config.max_new_tokens)
         self.generated: list[int] = []
         self.finish_reason: str | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
@@ -10,7 +11,7 @@ import models
 from models.config import read_config_json
 
 from .chat_template import ChatMessage, ChatTemplate
-from .engine import CompiledModel
+from .engine import CompiledModel, GenerationError
 from .generation import TokenStream
 from .sampling import GenerationConfigError, GreedyGenerationConfig, SamplingGenerationConfig
 from .tokenizer import Tokenizer, default_eos_token_ids
@@ -106,7 +107,7 @@ class Pipeline:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text; a BOS the text already starts with is not added a second time."""
-        ids = self.tokenizer.encode(text, add_special_tokens)
+        ids = self.tokenizer.encode(_checked_text(text), add_special_tokens)
         bos = self.config.bos_token_id
         if add_special_tokens and bos is not None and ids[:2] == [bos, bos]:
             ids = ids[1:]
@@ -114,6 +115,10 @@ class Pipeline:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of token ids."""
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not all(
+                isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < self.tokenizer.vocab_size for i in ids):
+            raise GenerationError(f"ids must be a list of token ids in 0..{self.tokenizer.vocab_size - 1}, got "
+                                  f"{str(ids)[:80]}")
         return self.tokenizer.decode(list(ids), skip_special_tokens)
 
     def render_chat(self, messages: Sequence[Mapping | ChatMessage], add_generation_prompt: bool = True) -> str:
@@ -143,6 +148,17 @@ class Pipeline:
                               add_special_tokens: bool = True, skip_special_tokens: bool = True) -> GeneratedText:
         """Sampled generation: temperature, top-k, top-p, seeded draw."""
         return _finish(self.stream_text_sampled(prompt, config, add_special_tokens, skip_special_tokens))
+
+
+def _checked_text(text) -> str:
+    """`text` if it is a str that is valid UTF-8 (no lone surrogates), else a GenerationError."""
+    if not isinstance(text, str):
+        raise GenerationError(f"the prompt must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise GenerationError(f"the prompt is not valid UTF-8 text (bad character at {e.start})") from None
+    return text
 
 
 def _finish(stream: TextStream) -> GeneratedText:

@@ -17,6 +17,8 @@ from ir.errors import RudaError
 class GenerationConfigError(RudaError, ValueError):
     """An invalid generation or sampling setting."""
 
+    exit_code = 7
+
 
 def _fail(name: str, value, rule: str):
     raise GenerationConfigError(f"{name} {rule}, got {value!r}")

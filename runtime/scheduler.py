@@ -33,6 +33,8 @@ RequestId = NewType("RequestId", int)
 class SchedulerError(RudaError, ValueError):
     """An invalid scheduler setting, request, or call order; the scheduler state is left unchanged."""
 
+    exit_code = 7
+
 
 def _is_int(value) -> bool:
     """True for Python and NumPy integers, not bools."""

@@ -14,6 +14,8 @@ from models.config import ConfigReader
 class TokenizerError(RudaError):
     """tokenizer.json or generation_config.json is missing or unreadable."""
 
+    exit_code = 4
+
 
 class Tokenizer:
     """Text <-> token ids with the checkpoint's own tokenizer.json."""
@@ -47,8 +49,10 @@ def default_eos_token_ids(model_dir: str | Path, config_eos: tuple[int, ...]) ->
     if not path.is_file():
         return list(config_eos)
     try:
-        generation = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        generation = json.loads(path.read_bytes())
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot be read ({e.strerror}); fix its permissions or delete it") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         generation = None
     if not isinstance(generation, dict):
         raise TokenizerError(f"{path}: not a valid JSON object; fix or delete it")

@@ -1,20 +1,26 @@
 """Loading checkpoint tensors (single or sharded safetensors, f32/f16/bf16) into device memory.
 
-Weights keep their checkpoint dtype: bf16 stays bf16 and is widened inside the kernels.
+Weights keep their checkpoint dtype: bf16 stays bf16 and is widened inside the kernels. A tensor holding
+NaN or infinity gives a warning naming it (the model still loads: its output will likely be garbage).
 """
 
 from __future__ import annotations
 
 import mmap
+import warnings
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import tvm
 
-from models.checkpoint import TensorEntry
+from ir.errors import RudaWarning
+from models.checkpoint import CheckpointError, TensorEntry
 
 NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+# The exponent bits of each dtype: all set means infinity or NaN.
+EXPONENT_MASKS = {"F32": (np.uint32, 0x7F800000), "F16": (np.uint16, 0x7C00), "BF16": (np.uint16, 0x7F80)}
+_CHUNK = 1 << 22  # elements checked at a time
 
 
 def read_tensor(entry: TensorEntry, mapped: mmap.mmap) -> np.ndarray:
@@ -23,14 +29,35 @@ def read_tensor(entry: TensorEntry, mapped: mmap.mmap) -> np.ndarray:
         NUMPY_DTYPES[entry.dtype]).itemsize, offset=entry.start).reshape(entry.shape)
 
 
+def nonfinite_count(array: np.ndarray, dtype: str) -> int:
+    """How many elements of a float tensor of safetensors `dtype` are NaN or infinite."""
+    bits, mask = EXPONENT_MASKS[dtype]
+    flat = array.reshape(-1).view(bits)
+    return sum(int(np.count_nonzero((flat[i:i + _CHUNK] & bits(mask)) == bits(mask)))
+               for i in range(0, flat.size, _CHUNK))
+
+
 def load_tensors(entries: dict[str, TensorEntry], names: list[str], device: tvm.runtime.Device) -> list[tvm.runtime.Tensor]:
-    """The named tensors, in order, copied onto `device`."""
+    """The named tensors, in order, copied onto `device` (with a warning for each that is not all finite)."""
     maps: dict[Path, mmap.mmap] = {}
     out = []
     for name in names:
         entry = entries[name]
         if entry.file not in maps:
-            with entry.file.open("rb") as f:
-                maps[entry.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        out.append(tvm.runtime.tensor(read_tensor(entry, maps[entry.file]), device))
+            try:
+                with entry.file.open("rb") as f:
+                    maps[entry.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except OSError as e:
+                raise CheckpointError(f"{entry.file}: cannot be read ({e.strerror}); fix its permissions or restore "
+                                      "it") from None
+        try:
+            array = read_tensor(entry, maps[entry.file])
+        except ValueError:
+            raise CheckpointError(f"{entry.file}: shorter than its header says (truncated since it was checked); "
+                                  "restore it") from None
+        bad = nonfinite_count(array, entry.dtype)
+        if bad:
+            warnings.warn(f"{entry.file}: tensor {name!r} holds {bad} NaN or infinite values; the checkpoint is "
+                          "probably damaged, and generated text will be garbage", RudaWarning, stacklevel=2)
+        out.append(tvm.runtime.tensor(array, device))
     return out

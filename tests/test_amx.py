@@ -16,8 +16,9 @@ from compiler.target import TargetError, cpu_target
 from ir import TensorType
 from models.tiny import write_tiny_checkpoint
 from runtime import CompiledModel
-from runtime.artifact import ArtifactError
-from runtime.cpu import enable_amx, host_cpu_flags
+from ir.contract import ArtifactError
+from ir.cpu_features import host_cpu_flags
+from runtime.cpu import enable_amx
 from schedules import cpu
 from schedules.amx import amx_gemm
 

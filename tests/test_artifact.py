@@ -12,7 +12,7 @@ from compiler import build as build_module
 from compiler.build import BuildError, build, resolve_buckets
 from models.tiny import write_tiny_checkpoint
 from runtime import ArtifactError, CompiledModel, GenerationError, default_artifact_dir
-from runtime.artifact import MANIFEST
+from ir.contract import MANIFEST
 
 
 def _build(model_dir, out, **kw):
@@ -39,7 +39,9 @@ def test_manifest_describes_the_build(tiny_factory):
     _, artifact = tiny_factory(arch="qwen2")
     m = json.loads((artifact / MANIFEST).read_text())
     assert m["model_type"] == "qwen2" and m["target"]["kind"] == "llvm"
-    assert m["buckets"] == {"prefill_tokens": [8, 16], "context": [64, 128]}
+    assert m["buckets"] == {"prefill_tokens": [8, 16], "context": [64, 128], "batch_rows": [], "kv_pages": 0,
+                            "kv_block": 16}
+    assert m["kind"] == "ruda-artifact" and set(m["files"]) == {"model.so"} and len(m["files"]["model.so"]) == 64
     assert len(m["ir_hash"]) == 64 and len(m["config_hash"]) == 64 and m["tvm_version"]
     assert "decode_c64" in m["functions"] and "prefill_t16_c128" in m["functions"]
     assert any(k.startswith("attention_") for k in m["kernels"])
@@ -110,7 +112,7 @@ def test_refuses_artifact_after_config_change(built):
     config = json.loads((model_dir / "config.json").read_text())
     config["rope_theta"] = 20000.0
     (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ArtifactError, match="another model or config.json.*--force"):
+    with pytest.raises(ArtifactError, match="another model or config.json.*rebuild: python -m compiler build .* --out "):
         CompiledModel(model_dir, artifact)
 
 
@@ -120,7 +122,7 @@ def test_refuses_artifact_for_other_weights(built, tmp_path):
     for f in model_dir.glob("*.safetensors"):
         f.unlink()
     shutil.copy(bf16 / "model.safetensors", model_dir / "model.safetensors")
-    with pytest.raises(ArtifactError, match="does not match the weights"):
+    with pytest.raises(ArtifactError, match="built for other weights \\(model.embed_tokens.weight is bfloat16 here, float32 in the artifact\\)"):
         CompiledModel(model_dir, artifact)
 
 
@@ -133,8 +135,9 @@ def test_refuses_other_tvm_version(built):
 
 def test_refuses_other_target(built):
     model_dir, artifact = built
-    _edit_manifest(artifact, target={"kind": "cuda", "mcpu": "sm_90", "features": []})
-    with pytest.raises(ArtifactError, match="targets cuda, not llvm"):
+    _edit_manifest(artifact, target={"kind": "cuda", "arch": "sm_90", "cuda_compiler": "ptx", "ptx_version": None})
+    with pytest.raises(ArtifactError, match="built for --target cuda: run it with --device cuda, or build one for "
+                                           "this device: python -m compiler build .* --target llvm --out "):
         CompiledModel(model_dir, artifact)
 
 

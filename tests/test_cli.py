@@ -79,14 +79,14 @@ def test_generate_rejects_bad_numbers(workdir, args, message):
 def test_generate_without_artifact_says_how_to_build(workdir, tmp_path):
     cwd, model_dir, _ = workdir
     result = run("runtime.generate", str(model_dir), "Hi", cwd=tmp_path)
-    assert result.returncode == 1
+    assert result.returncode == 5
     assert f"python -m compiler build {model_dir} --target llvm" in result.stderr
 
 
 def test_generate_prompt_too_long(workdir):
     cwd, _, _ = workdir
     result = run("runtime.generate", "models/tiny", "word " * 80, "4", cwd=cwd)
-    assert result.returncode == 1 and "exceed the largest context bucket 64" in result.stderr
+    assert result.returncode == 7 and "exceed the largest context bucket 64" in result.stderr
 
 
 def test_build_rejects_unsupported_model_type(tmp_path):
@@ -95,7 +95,7 @@ def test_build_rejects_unsupported_model_type(tmp_path):
     config["model_type"] = "gpt2"
     (model_dir / "config.json").write_text(json.dumps(config))
     result = run("compiler", "build", str(model_dir), cwd=tmp_path)
-    assert result.returncode == 1
+    assert result.returncode == 3
     assert "config.json: field 'model_type' is 'gpt2'; supported: llama, qwen2" in result.stderr
     assert not (tmp_path / "build").exists()
 

@@ -1,0 +1,262 @@
+"""The contract between the compiler (writer) and the runtime (reader) of an artifact.
+
+An artifact is a directory: `manifest.json` (a `Manifest`), `model.so` (the compiled Relax VM module),
+`kernels.ptx` for CUDA builds, and `ir.json` / `ir.txt` (the program, for inspection). The manifest
+records a SHA-256 of each module file, checked before the module is used or reused, and the build
+options, so every "rebuild" hint is the exact command that rebuilds this artifact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shlex
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+from .errors import RudaError
+from .graph import BLOCK, CONTEXT, HISTORY, PAGES, PAGES_PER_ROW, ROWS, SLOTS, TOKENS
+
+FORMAT = 2
+KIND = "ruda-artifact"  # what marks a directory as ours: only such a directory is ever replaced by a build
+MANIFEST = "manifest.json"
+MODULE = "model.so"
+PTX_FILE = "kernels.ptx"
+DEFAULT_ROOT = Path("build")
+MODEL_PACKAGES = ("ir", "models")  # the model definitions: a change here changes the graph an artifact implements
+
+
+class ArtifactError(RudaError):
+    """The artifact is missing, damaged, or was built for something else."""
+
+    exit_code = 5
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A named tensor: shape (ints, or symbolic dims the runtime binds) and dtype."""
+
+    name: str
+    shape: tuple[Union[int, str], ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The shape specialisations built: prefill chunk sizes and KV cache capacities (tokens), and for
+    batched execution (`batch_rows` non-empty) the sequences per step, the KV arena's page count and
+    the page size. A batch step carries up to the largest prefill bucket of tokens."""
+
+    prefill_tokens: tuple[int, ...]
+    context: tuple[int, ...]
+    batch_rows: tuple[int, ...] = ()
+    kv_pages: int = 0
+    kv_block: int = 16
+
+    @property
+    def pages_per_row(self) -> int:
+        """Block-table width: pages covering the largest context."""
+        return -(-self.context[-1] // self.kv_block)
+
+    def functions(self) -> list[tuple[str, str, dict[str, int]]]:
+        """(VM function name, entry name, dim bindings) for every specialisation."""
+        out = [(f"decode_c{c}", "decode", {CONTEXT: c}) for c in self.context]
+        out += [(f"prefill_t{t}_c{c}", "prefill", {TOKENS: t, CONTEXT: c})
+                for c in self.context for t in self.prefill_tokens if t <= c]
+        out += [(f"{prefix}_t{t}_r{r}", entry, {TOKENS: t, ROWS: r, **self.arena_dims()})
+                for prefix, entry in (("step", "step"), ("gather", "step_gather"))
+                for t in self.prefill_tokens for r in self.batch_rows if r <= t]
+        return out
+
+    def arena_dims(self) -> dict[str, int]:
+        """Bindings of the batched-state dims: KV pages and their size, state slots (one per row of the largest
+        batch), block-table width and the positions it covers."""
+        return {PAGES: self.kv_pages, BLOCK: self.kv_block, PAGES_PER_ROW: self.pages_per_row,
+                HISTORY: self.pages_per_row * self.kv_block, SLOTS: max(self.batch_rows, default=0)}
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """What the module was compiled for: `llvm` (a CPU model and the features it relies on) or `cuda`."""
+
+    kind: str
+    mtriple: str | None = None
+    mcpu: str | None = None
+    features: tuple[str, ...] = ()
+    matmul_precision: str | None = None
+    arch: str | None = None
+    cuda_compiler: str | None = None
+    ptx_version: str | None = None
+
+
+TARGET_FIELDS = {"llvm": ("kind", "mtriple", "mcpu", "features", "matmul_precision"),
+                 "cuda": ("kind", "arch", "cuda_compiler", "ptx_version")}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything the runtime needs to know about an artifact, and what decides whether a build is reused."""
+
+    model_type: str
+    built_from: str
+    config_hash: str
+    ir_hash: str
+    model_code_hash: str
+    """Hash of the model definitions (ir/, models/): the graph the module implements."""
+    code_hash: str
+    """Hash of all compiler source: a change to any kernel or schedule rebuilds."""
+    tvm_version: str
+    target: TargetSpec
+    buckets: Buckets
+    params: tuple[TensorSpec, ...]
+    cache: tuple[TensorSpec, ...]
+    vocab_size: int
+    functions: tuple[str, ...]
+    kernels: tuple[str, ...]
+    build_options: tuple[str, ...]
+    """`compiler build` options (after MODEL_DIR, without --out) that reproduce this artifact."""
+    files: dict[str, str] = field(default_factory=dict)
+    """SHA-256 of each module file."""
+    batch_state: tuple[TensorSpec, ...] = ()
+    step_inputs: tuple[str, ...] = ()
+    format: int = FORMAT
+    kind: str = KIND
+
+    def to_json(self) -> dict:
+        """The manifest as a JSON-compatible dict (the target with the fields of its kind only)."""
+        d = dataclasses.asdict(self)
+        d["target"] = {k: v for k, v in d["target"].items() if k in TARGET_FIELDS[self.target.kind]}
+        return d
+
+    def same_build(self, other: "Manifest") -> bool:
+        """Whether two manifests describe the same build (where it came from and its files aside)."""
+        return dataclasses.replace(self, built_from="", files={}) == dataclasses.replace(other, built_from="", files={})
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file's bytes."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def source_hash(packages: tuple[str, ...]) -> str:
+    """Hash of the Python source of these top-level packages of the project."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for package in packages:
+        for path in sorted((root / package).glob("*.py")):
+            h.update(f"{package}/{path.name}".encode() + path.read_bytes())
+    return h.hexdigest()
+
+
+def config_hash(raw_config: dict) -> str:
+    """Hash of a config.json's content (key order and whitespace do not matter)."""
+    return hashlib.sha256(json.dumps(raw_config, sort_keys=True).encode()).hexdigest()
+
+
+def default_artifact_dir(model_dir: str | Path, target: str) -> Path:
+    """Where `python -m compiler build MODEL_DIR --target T` writes by default (relative to the cwd)."""
+    model_dir = Path(model_dir).resolve()
+    tag = hashlib.sha256(str(model_dir).encode()).hexdigest()[:8]
+    return DEFAULT_ROOT / f"{model_dir.name}-{tag}.{target}"
+
+
+def build_command(model_dir: str | Path, target: str, artifact: str | Path | None = None,
+                  options: tuple[str, ...] = ()) -> str:
+    """The exact command that (re)builds the artifact at `artifact` (default: the default place) with `options`."""
+    args = ["python", "-m", "compiler", "build", str(model_dir)]
+    args += list(options) if "--target" in options else ["--target", target, *options]
+    if artifact is not None and Path(artifact).resolve() != default_artifact_dir(model_dir, target).resolve():
+        args += ["--out", str(artifact)]
+    return shlex.join(args)
+
+
+def read_manifest(artifact_dir: Path, rebuild: str) -> Manifest:
+    """The manifest of the artifact at `artifact_dir`, or an ArtifactError ending with the `rebuild` command."""
+    path = artifact_dir / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"no compiled artifact at {artifact_dir}; build it first: {rebuild}")
+    try:
+        raw = json.loads(path.read_bytes())
+    except OSError as e:
+        raise ArtifactError(f"{path}: cannot be read ({e.strerror}); fix its permissions or rebuild: {rebuild}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ArtifactError(f"{path} is corrupt (not JSON); rebuild: {rebuild}") from None
+    if not isinstance(raw, dict) or raw.get("kind") != KIND:
+        raise ArtifactError(f"{path} is not the manifest of an artifact of this compiler; rebuild: {rebuild}")
+    if raw.get("format") != FORMAT:
+        raise ArtifactError(f"{artifact_dir} was built by another version of this compiler (artifact format "
+                            f"{raw.get('format')!r}, this one reads {FORMAT}); rebuild: {rebuild}")
+    try:
+        return _parse(Manifest, raw, "manifest")
+    except _Malformed as e:
+        raise ArtifactError(f"{path} is malformed ({e}); rebuild: {rebuild}") from None
+
+
+def verify_files(artifact_dir: Path, manifest: Manifest, rebuild: str) -> None:
+    """Check each module file against its recorded SHA-256 (a truncated or foreign file is an error, never a crash)."""
+    for name, digest in manifest.files.items():
+        path = artifact_dir / name
+        try:
+            ok = file_digest(path) == digest
+        except FileNotFoundError:
+            raise ArtifactError(f"{path} is missing; the artifact is incomplete, rebuild: {rebuild}") from None
+        except OSError as e:
+            raise ArtifactError(f"{path}: cannot be read ({e.strerror}); fix its permissions or rebuild: {rebuild}") \
+                from None
+        if not ok:
+            raise ArtifactError(f"{path} is damaged (its checksum does not match the manifest: truncated, edited or "
+                                f"replaced); rebuild: {rebuild}")
+
+
+class _Malformed(Exception):
+    """A JSON value that does not have the type the manifest declares."""
+
+
+def _parse(tp, value: Any, where: str):
+    """`value` (decoded JSON) as type `tp`: a dataclass, tuple[X, ...], dict[str, X], X | None, or a scalar."""
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise _Malformed(f"{where} must be an object")
+        hints = typing.get_type_hints(tp)
+        known = {f.name: f for f in dataclasses.fields(tp)}
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise _Malformed(f"{where} has unknown fields {unknown}")
+        kwargs = {}
+        for name, f in known.items():
+            if name in value:
+                kwargs[name] = _parse(hints[name], value[name], f"{where}.{name}")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise _Malformed(f"{where} lacks field {name!r}")
+        return tp(**kwargs)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union or origin is types.UnionType:
+        if value is None and type(None) in args:
+            return None
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _parse(option, value, where)
+            except _Malformed:
+                continue
+        raise _Malformed(f"{where} has the wrong type ({value!r})")
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise _Malformed(f"{where} must be a list")
+        return tuple(_parse(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _Malformed(f"{where} must be an object")
+        return {k: _parse(args[1], v, f"{where}.{k}") for k, v in value.items()}
+    if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise _Malformed(f"{where} must be an integer, got {value!r}")
+    if tp is str and not isinstance(value, str):
+        raise _Malformed(f"{where} must be a string, got {value!r}")
+    return value
