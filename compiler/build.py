@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -15,6 +16,8 @@ from tqdm import tqdm
 import models
 from ir import format_program, stable_hash, to_json
 from ir.contract import (
+    IR_FILE,
+    IR_TEXT,
     MANIFEST,
     MODEL_PACKAGES,
     MODULE,
@@ -36,7 +39,7 @@ from schedules import cpu, gpu
 from .cuda import CudaBuildError, CudaTarget, check_with_ptxas, cuda_target, export_with_ptx, prepare_environment
 from .lower import kernel_signatures, lower_program
 from .options import DEFAULT_CONTEXT_BUCKETS, DEFAULT_PREFILL_BUCKETS, TARGETS
-from .output import locked_output
+from .output import OutputError, locked_output
 from .target import CpuTarget, cpu_target
 
 COMPILER_PACKAGES = MODEL_PACKAGES + ("compiler", "schedules")  # a change to any of them rebuilds
@@ -122,6 +125,8 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
           quiet: bool = False) -> BuildResult:
     """Compile a model directory into an artifact directory (reusing it when nothing changed)."""
     start = time.perf_counter()
+    if out is not None and (not isinstance(out, (str, os.PathLike)) or not str(out)):
+        raise OutputError(f"--out must be a directory path, got {out!r}")
     tgt = make_target(target, mcpu=mcpu, arch=arch, cuda_compiler=cuda_compiler, ptx_version=ptx_version,
                       matmul_precision=matmul_precision)
     raw, config, _, program = models.load_checkpoint_program(model_dir)
@@ -234,8 +239,8 @@ def _write_artifact(folder: Path, manifest: Manifest, program, executable, tgt: 
                 raise CudaBuildError(f"expected one PTX device module, got {len(modules)}")
             (folder / PTX_FILE).write_text(modules[0])
             check_with_ptxas(folder / PTX_FILE, tgt.arch)
-        (folder / "ir.json").write_text(to_json(program))
-        (folder / "ir.txt").write_text(format_program(program) + "\n")
+        (folder / IR_FILE).write_text(to_json(program))
+        (folder / IR_TEXT).write_text(format_program(program) + "\n")
         files = [MODULE] + ([PTX_FILE] if isinstance(tgt, CudaTarget) else [])
         manifest = replace(manifest, files={name: file_digest(folder / name) for name in files})
         (folder / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1) + "\n")

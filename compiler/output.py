@@ -10,18 +10,21 @@ the linker's, nvcc's) goes inside the temporary folder, so nothing is left in th
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import json
 import os
+import pickle
 import shutil
+import signal
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
-from ir.contract import KIND, MANIFEST
-from ir.errors import RudaError, storage_error
+from ir.contract import ARTIFACT_FILES, KIND, MANIFEST
+from ir.errors import RudaError, StorageError, storage_error
 
 
 class OutputError(RudaError):
@@ -31,12 +34,19 @@ class OutputError(RudaError):
 
 
 def is_artifact(directory: Path) -> bool:
-    """Whether `directory` holds an artifact of this compiler (a manifest that says so; older formats included)."""
+    """Whether `directory` holds an artifact of this compiler: a manifest that says so (older formats included), or,
+    for a damaged one, a manifest file among nothing but the files a build writes."""
     try:
         raw = json.loads((directory / MANIFEST).read_bytes())
     except (OSError, ValueError):
+        raw = None
+    if isinstance(raw, dict) and (raw.get("kind") == KIND or {"format", "ir_hash", "code_hash"} <= raw.keys()):
+        return True
+    try:
+        names = {entry.name for entry in directory.iterdir()}
+    except OSError:
         return False
-    return isinstance(raw, dict) and (raw.get("kind") == KIND or {"format", "ir_hash", "code_hash"} <= raw.keys())
+    return MANIFEST in names and names <= set(ARTIFACT_FILES)
 
 
 def check_destination(out: Path, model_dir: Path) -> None:
@@ -64,7 +74,7 @@ class BuildOutput:
         """Write the artifact into the temporary folder with `write(folder)`, then swap it into place."""
         old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
         with _temp_files_in(self.tmp / "work"):
-            write(self.tmp)
+            in_child_process(lambda: write(self.tmp), f"writing the artifact {self.out}")
         shutil.rmtree(self.tmp / "work")
         if self.out.exists():
             self.out.rename(old)
@@ -127,6 +137,68 @@ def _release(lock: tuple[int, Path]) -> None:
     except OSError:
         pass
     os.close(fd)
+
+
+def in_child_process(work: Callable[[], None], doing: str) -> None:
+    """Run `work` in a forked child and re-raise what it raised.
+
+    LLVM ends its process when it cannot write a file (a full disk, a file-size limit), with no exception
+    to catch; in a child, that costs the child only, and the build reports it and cleans up.
+    """
+    results, errors = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its stderr goes to the parent, its exception too
+        code = 1
+        try:
+            os.close(results[0])
+            os.close(errors[0])
+            os.dup2(errors[1], 2)
+            _die_with_parent()
+            work()
+            code = 0
+        except BaseException as e:  # noqa: B036 - everything goes back to the parent
+            os.write(results[1], pickle.dumps(_portable(e)))
+        finally:
+            os._exit(code)
+    os.close(results[1])
+    os.close(errors[1])
+    try:
+        stderr = _read_all(errors[0]).decode(errors="replace")
+        raised = _read_all(results[0])
+        _, status = os.waitpid(pid, 0)
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    if raised:
+        raise pickle.loads(raised)
+    if status != 0:
+        lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+        reason = lines[-1] if lines else f"the process ended with status {status}"
+        raise StorageError(f"{doing} failed ({reason}); check the free disk space and file-size limits, or build to "
+                           "another --out")
+
+
+def _portable(error: BaseException) -> BaseException:
+    """The exception as something that pickles small: ours and OS errors as they are, others as their last line."""
+    if isinstance(error, (RudaError, OSError, KeyboardInterrupt)):
+        return error
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return RuntimeError(f"{type(error).__name__}: {lines[-1] if lines else ''}")
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 16):
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks)
+
+
+def _die_with_parent() -> None:
+    """Have Linux kill this process when its parent dies (a killed build leaves no writer behind)."""
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 @contextmanager

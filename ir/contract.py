@@ -26,6 +26,9 @@ KIND = "ruda-artifact"  # what marks a directory as ours: only such a directory 
 MANIFEST = "manifest.json"
 MODULE = "model.so"
 PTX_FILE = "kernels.ptx"
+IR_FILE = "ir.json"
+IR_TEXT = "ir.txt"
+ARTIFACT_FILES = (MANIFEST, MODULE, PTX_FILE, IR_FILE, IR_TEXT)  # all a build writes: a folder of only these is a (damaged) artifact
 DEFAULT_ROOT = Path("build")
 MODEL_PACKAGES = ("ir", "models")  # the model definitions: a change here changes the graph an artifact implements
 
@@ -182,6 +185,12 @@ def read_manifest(artifact_dir: Path, rebuild: str) -> Manifest:
     """The manifest of the artifact at `artifact_dir`, or an ArtifactError ending with the `rebuild` command."""
     path = artifact_dir / MANIFEST
     if not path.is_file():
+        if artifact_dir.exists() and not artifact_dir.is_dir():
+            raise ArtifactError(f"{artifact_dir} is a file, not an artifact directory; pass the directory "
+                                "`python -m compiler build` wrote")
+        if artifact_dir.is_dir() and any(artifact_dir.iterdir()):
+            raise ArtifactError(f"{artifact_dir} is not a compiled artifact (it has no {MANIFEST}); pass the directory "
+                                "`python -m compiler build` wrote, or build one into a new directory")
         raise ArtifactError(f"no compiled artifact at {artifact_dir}; build it first: {rebuild}")
     try:
         raw = json.loads(path.read_bytes())

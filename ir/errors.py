@@ -61,6 +61,19 @@ def storage_error(error: OSError, doing: str) -> StorageError:
     return StorageError(f"{path}: {error.strerror or error} while {doing}")
 
 
+def positive_int(name: str):
+    """An argparse type: an integer > 0, or a usage error naming the option `name`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer > 0, got {text!r}")
+        return value
+    return parse
+
+
 def add_debug_flag(parser: argparse.ArgumentParser) -> None:
     """The --debug option every CLI has."""
     parser.add_argument("--debug", action="store_true", help=f"show tracebacks of errors (or set {DEBUG_ENV}=1)")
@@ -71,14 +84,16 @@ def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> 
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     warnings.showwarning = _show_warning
-    signal.signal(signal.SIGTERM, _terminate)
+    signals: list[int] = []  # what arrived: TVM reports an interrupt inside its own calls as a bare error
+    signal.signal(signal.SIGINT, lambda signum, frame: _interrupt(signals, signum))
+    signal.signal(signal.SIGTERM, lambda signum, frame: _interrupt(signals, signum))
     if hasattr(signal, "SIGXFSZ"):  # past a file-size limit, writes fail with EFBIG instead of killing us silently
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
         return main(argv)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more can reach the reader
-        return _fail(debug, "output closed early (broken pipe); stopped", EXIT_BROKEN_PIPE)
+        return _fail(debug, "error: output closed early (broken pipe); stopped", EXIT_BROKEN_PIPE)
     except KeyboardInterrupt:
         return _fail(debug, "interrupted", EXIT_INTERRUPTED)
     except Terminated:
@@ -91,6 +106,9 @@ def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> 
     except MemoryError:
         return _fail(debug, "error: out of memory; close other programs or use a smaller model or buckets", 8)
     except Exception as e:  # a bug, not a user error: still one line, with how to get the details
+        if signals:
+            return _fail(debug, "interrupted" if signals[0] == signal.SIGINT else "terminated",
+                         EXIT_INTERRUPTED if signals[0] == signal.SIGINT else EXIT_TERMINATED)
         return _fail(debug, f"internal error: {type(e).__name__}: {e}; rerun with --debug for the traceback and "
                             "report it", EXIT_INTERNAL)
 
@@ -106,8 +124,9 @@ def _fail(debug: bool, message: str, code: int) -> int:
     return code
 
 
-def _terminate(signum, frame):
-    raise Terminated()
+def _interrupt(signals: list[int], signum: int):
+    signals.append(signum)
+    raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated()
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):

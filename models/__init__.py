@@ -20,7 +20,7 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
     """Validate a config.json dict for a supported architecture."""
     cfg = ConfigReader(raw, source)
     model_type = cfg.get("model_type")
-    if model_type not in ARCHITECTURES:
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         raise cfg.error("model_type", f"is {model_type!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
     quant = raw.get("quantization_config")
     if quant is not None:

@@ -41,6 +41,10 @@ class TensorEntry:
     shape: tuple[int, ...]
 
 
+def _ints(*values) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+
 def _read_header(path: Path) -> dict[str, TensorEntry]:
     try:
         with path.open("rb") as f:
@@ -63,9 +67,12 @@ def _read_header(path: Path) -> dict[str, TensorEntry]:
         if name == "__metadata__":
             continue
         try:
-            begin, end = (int(x) for x in info["data_offsets"])
-            dtype, shape = info["dtype"], tuple(int(d) for d in info["shape"])
+            begin, end = info["data_offsets"]
+            dtype, shape = info["dtype"], tuple(info["shape"])
         except (KeyError, TypeError, ValueError):
+            begin = end = dtype = shape = None
+        if not (_ints(begin, end, *shape) if isinstance(shape, tuple) else False) or not isinstance(dtype, str) \
+                or any(d < 0 for d in shape):
             raise CheckpointError(f"{path}: header entry for {name!r} is malformed; the file is corrupt") from None
         if 8 + n + end > size or not 0 <= begin <= end:
             raise CheckpointError(f"{path}: tensor {name!r} lies beyond the end of the file; the file is truncated, re-download it")

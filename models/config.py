@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from ir.errors import RudaError
 
 _REQUIRED = object()
+MAX_INT = 1 << 24  # above any size or count of a real model: a larger value is a damaged config, not a big model
+MAX_LAYERS = 1024  # real models have at most a few hundred layers; each one costs Python objects at build time
 
 
 class ModelConfigError(RudaError):
@@ -19,6 +22,10 @@ class ModelConfigError(RudaError):
 
 def read_config_json(model_dir: str | Path) -> tuple[dict, Path]:
     """The parsed config.json of a model directory and its path."""
+    if not isinstance(model_dir, (str, os.PathLike)):
+        raise ModelConfigError(f"the model directory must be a path, got {type(model_dir).__name__}")
+    if not str(model_dir):
+        raise ModelConfigError("the model directory is an empty string; pass a local Hugging Face model directory")
     path = Path(model_dir) / "config.json"
     if not Path(model_dir).is_dir():
         raise ModelConfigError(f"{model_dir}: not a directory; pass a local Hugging Face model directory")
@@ -55,11 +62,11 @@ class ConfigReader:
             return default
         return value
 
-    def int(self, field: str, default: Any = _REQUIRED, minimum: int = 1) -> int:
-        """An integer field >= minimum."""
+    def int(self, field: str, default: Any = _REQUIRED, minimum: int = 1, maximum: int = MAX_INT) -> int:
+        """An integer field in minimum..maximum (by default no larger than any real model's)."""
         value = self.get(field, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.error(field, f"must be an integer >= {minimum}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+            raise self.error(field, f"must be an integer in {minimum}..{maximum}, got {value!r}")
         return value
 
     def float(self, field: str, default: Any = _REQUIRED, positive: bool = True) -> float:

@@ -26,7 +26,7 @@ from ir import (
 )
 from ir.ops import SEQUENCE_INPUTS
 
-from .config import ConfigReader
+from .config import MAX_LAYERS, ConfigReader
 from .rope import inv_freq, read_rope
 
 PARAM_DTYPES = ("float32", "float16", "bfloat16")
@@ -94,7 +94,7 @@ def decoder_fields(cfg: ConfigReader, tie_default: bool) -> dict:
         vocab_size=cfg.int("vocab_size"),
         hidden_size=hidden,
         intermediate_size=cfg.int("intermediate_size"),
-        num_hidden_layers=cfg.int("num_hidden_layers"),
+        num_hidden_layers=cfg.int("num_hidden_layers", maximum=MAX_LAYERS),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import tempfile
 import zlib
 from pathlib import Path
@@ -26,6 +27,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from ir.errors import add_debug_flag, run_cli
 from models import checkpoint_tensor_shapes
 
 ARCHS = ("qwen2", "llama", "qwen3_5_text", "qwen3_5")
@@ -487,6 +489,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     parser.add_argument("--shards", type=int, default=1, help="number of safetensors files (default 1)")
     parser.add_argument("--overwrite", action="store_true", help="replace out_dir if it exists")
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
     try:
         path = write_tiny_checkpoint(
@@ -498,4 +501,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(lambda argv: main(argv) or 0))

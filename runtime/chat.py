@@ -12,7 +12,7 @@ import argparse
 import io
 import sys
 
-from ir.errors import RudaError, UsageError, add_debug_flag, run_cli
+from ir.errors import RudaError, UsageError, add_debug_flag, positive_int, run_cli
 
 SAMPLING_OPTIONS = ("top_k", "top_p", "seed")
 
@@ -107,7 +107,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="run the llvm artifact on the CPU (default) or the cuda artifact on the GPU")
     parser.add_argument("--system", help="system prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=256)
     parser.add_argument("--temperature", type=float, help="sample at this temperature (default: greedy)")
     parser.add_argument("--top-k", type=int, help="sampling: keep the k most likely tokens (0: all)")
     parser.add_argument("--top-p", type=float, help="sampling: nucleus probability in (0, 1] (1: all)")
@@ -124,6 +124,12 @@ def main(argv: list[str]) -> int:
     from .pipeline import load_pipeline  # after the arguments are checked: loads TVM
 
     pipeline = load_pipeline(args.model_dir, args.artifact, args.device)
+    if args.system:
+        try:
+            fit_conversation(pipeline, [{"role": "system", "content": args.system}], "", 1)
+        except UsageError:
+            raise UsageError(f"--system is too long: with the chat template it leaves no room for a message in the "
+                             f"model's context of {pipeline.model.max_context} tokens; shorten it") from None
     if isinstance(sys.stdin, io.TextIOWrapper):  # undecodable input reaches chat() as lone surrogates, not a crash
         sys.stdin.reconfigure(errors="surrogateescape")
     chat(pipeline, config, args.system)

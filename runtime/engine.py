@@ -102,7 +102,7 @@ class CompiledModel:
 
     def __init__(self, model_dir: str | Path, artifact: str | Path | None = None, device: str = "cpu"):
         start = time.perf_counter()
-        if device not in TARGETS:
+        if not isinstance(device, str) or device not in TARGETS:
             raise GenerationError(f"device {device!r} is not supported; valid: {', '.join(TARGETS)}")
         self.target = TARGETS[device]
         self.device = tvm.cpu() if device == "cpu" else tvm.cuda(0)
@@ -111,6 +111,8 @@ class CompiledModel:
                                   "NVIDIA GPU and driver, or use --device cpu")
         self.model_dir = Path(model_dir)
         raw, self.config, entries, dtypes = models.load_checkpoint(model_dir)
+        if artifact is not None and not isinstance(artifact, (str, os.PathLike)):
+            raise ArtifactError(f"artifact must be a path, got {type(artifact).__name__}")
         self.artifact = Path(artifact) if artifact is not None else default_artifact_dir(model_dir, self.target)
         self.manifest = read_manifest(self.artifact, build_command(model_dir, self.target, artifact))
         self._check_target(artifact)

@@ -17,21 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from ir.errors import UsageError, add_debug_flag, run_cli
+from ir.errors import UsageError, add_debug_flag, positive_int, run_cli
 
 QWEN35_NEW_TOKENS = 8  # new tokens when not given for Qwen3.5; every other model: 32
-
-
-def _positive(name: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer > 0, got {text!r}")
-        return value
-    return parse
 
 
 def main(argv: list[str]) -> int:
@@ -40,14 +28,14 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", metavar="MODEL_DIR")
     parser.add_argument("prompt", metavar="PROMPT", nargs="?")
-    parser.add_argument("max_new_tokens", metavar="MAX_NEW_TOKENS", nargs="?", type=_positive("MAX_NEW_TOKENS"),
+    parser.add_argument("max_new_tokens", metavar="MAX_NEW_TOKENS", nargs="?", type=positive_int("MAX_NEW_TOKENS"),
                         help="default 32 (Qwen3.5: 8)")
-    parser.add_argument("runs", metavar="RUNS", nargs="?", default=1, type=_positive("RUNS"))
+    parser.add_argument("runs", metavar="RUNS", nargs="?", default=1, type=positive_int("RUNS"))
     parser.add_argument("--artifact", help="artifact directory (default: where `compiler build MODEL_DIR` writes)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="run the llvm artifact on the CPU (default) or the cuda artifact on the GPU")
     parser.add_argument("--batch", metavar="FILE", help="serve every line of FILE as a prompt, all at once")
-    parser.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"),
+    parser.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"),
                         help="with --batch: new tokens per prompt (default 32, Qwen3.5: 8)")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
@@ -112,12 +100,12 @@ def _serve_batch(pipeline, prompts: list[str], config) -> None:
     from .scheduler import ContinuousBatchConfig
 
     model = pipeline.model
-    buckets = model.batch_layout()
-    executor = BatchExecutor(model, ContinuousBatchConfig(buckets.batch_rows[-1], buckets.prefill_tokens[-1]),
-                             default_eos_token_ids=pipeline.default_eos_token_ids)
     encoded = [pipeline.encode(p) for p in prompts]
     for line, ids in enumerate(encoded, 1):
         model.check_request(len(ids), config.max_new_tokens, where=f"--batch prompt {line}")
+    buckets = model.batch_layout()
+    executor = BatchExecutor(model, ContinuousBatchConfig(buckets.batch_rows[-1], buckets.prefill_tokens[-1]),
+                             default_eos_token_ids=pipeline.default_eos_token_ids)
     index = {executor.submit(ids, config): i for i, ids in enumerate(encoded)}
     start, generated = time.perf_counter(), 0
     for done in executor.run():

@@ -107,6 +107,8 @@ class Pipeline:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text; a BOS the text already starts with is not added a second time."""
+        if not isinstance(add_special_tokens, bool):
+            raise GenerationError(f"add_special_tokens must be True or False, got {add_special_tokens!r}")
         ids = self.tokenizer.encode(_checked_text(text), add_special_tokens)
         bos = self.config.bos_token_id
         if add_special_tokens and bos is not None and ids[:2] == [bos, bos]:
