@@ -47,6 +47,9 @@ def main(argv: list[str]) -> int:
     b.add_argument("--kv-pages", type=int, help="batched: pages in the KV arena (default: enough for the largest "
                                                   "row count at the largest context)")
     b.add_argument("--kv-block-size", type=int, help="batched: tokens per KV page (default 16)")
+    b.add_argument("--legacy-paged-attention", action="store_true",
+                   help="batched: also build the legacy attention path that gathers each row's history from the "
+                        "pages first (run it with RUDA_PAGED_ATTENTION=legacy)")
     b.add_argument("--mcpu", help="llvm: the CPU to compile for (default: this machine's CPU)")
     b.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS,
                    help="llvm: float32 (default) keeps every product in float32; bfloat16 runs prefill products of "
@@ -67,6 +70,7 @@ def main(argv: list[str]) -> int:
                        context_buckets=args.context_buckets, mcpu=args.mcpu, arch=args.arch,
                        cuda_compiler=args.cuda_compiler, ptx_version=args.ptx_version,
                        batch_rows=args.batch_rows, kv_pages=args.kv_pages, kv_block=args.kv_block_size,
+                   legacy_attention=args.legacy_paged_attention,
                        matmul_precision=args.matmul_precision, force=args.force, quiet=args.quiet)
     print(json.dumps({"artifact": str(result.path), "reused": result.reused, "seconds": round(result.seconds, 2)}))
     return 0

@@ -14,6 +14,7 @@ import tvm
 from tqdm import tqdm
 
 import models
+from models.checkpoint import SAFETENSORS_DTYPES
 from ir import format_program, stable_hash, to_json
 from ir.contract import (
     IR_FILE,
@@ -24,8 +25,9 @@ from ir.contract import (
     PTX_FILE,
     ArtifactError,
     Buckets,
+    InputSpec,
     Manifest,
-    TensorSpec,
+    ParamSpec,
     config_hash,
     default_artifact_dir,
     file_digest,
@@ -62,7 +64,7 @@ class BuildResult:
 
 def resolve_buckets(prefill: tuple[int, ...] | None, context: tuple[int, ...] | None, max_positions: int,
                     batch_rows: tuple[int, ...] | None = None, kv_pages: int | None = None,
-                    kv_block: int | None = None) -> Buckets:
+                    kv_block: int | None = None, legacy_attention: bool = False) -> Buckets:
     """Validated buckets; context capacities above the model's max_position_embeddings are capped.
 
     Batched execution is built only when `batch_rows` is given; the KV arena then defaults to enough
@@ -81,8 +83,9 @@ def resolve_buckets(prefill: tuple[int, ...] | None, context: tuple[int, ...] | 
         raise BuildError(f"--context-buckets {context[0]} is smaller than the smallest prefill bucket {prefill[0]}; "
                          "every KV cache must hold at least one prefill chunk")
     if not batch_rows:
-        if kv_pages is not None or kv_block is not None:
-            raise BuildError("--kv-pages and --kv-block-size need --batch-rows (batched execution)")
+        if kv_pages is not None or kv_block is not None or legacy_attention:
+            raise BuildError("--kv-pages, --kv-block-size and --legacy-paged-attention need --batch-rows "
+                             "(batched execution)")
         return Buckets(prefill, context)
     rows = tuple(sorted(set(batch_rows)))
     block = 16 if kv_block is None else kv_block
@@ -96,7 +99,7 @@ def resolve_buckets(prefill: tuple[int, ...] | None, context: tuple[int, ...] | 
     if pages < buckets.pages_per_row:
         raise BuildError(f"--kv-pages {pages} cannot hold one sequence of {context[-1]} tokens "
                          f"({buckets.pages_per_row} pages of {block})")
-    return Buckets(prefill, context, rows, pages, block)
+    return Buckets(prefill, context, rows, pages, block, legacy_attention)
 
 
 def make_target(target: str, *, mcpu: str | None = None, arch: str | None = None,
@@ -121,17 +124,17 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
           prefill_buckets: tuple[int, ...] | None = None, context_buckets: tuple[int, ...] | None = None,
           mcpu: str | None = None, arch: str | None = None, cuda_compiler: str | None = None,
           ptx_version: str | None = None, batch_rows: tuple[int, ...] | None = None, kv_pages: int | None = None,
-          kv_block: int | None = None, matmul_precision: str | None = None, force: bool = False,
-          quiet: bool = False) -> BuildResult:
+          kv_block: int | None = None, legacy_attention: bool = False, matmul_precision: str | None = None,
+          force: bool = False, quiet: bool = False) -> BuildResult:
     """Compile a model directory into an artifact directory (reusing it when nothing changed)."""
     start = time.perf_counter()
     if out is not None and (not isinstance(out, (str, os.PathLike)) or not str(out)):
         raise OutputError(f"--out must be a directory path, got {out!r}")
     tgt = make_target(target, mcpu=mcpu, arch=arch, cuda_compiler=cuda_compiler, ptx_version=ptx_version,
                       matmul_precision=matmul_precision)
-    raw, config, _, program = models.load_checkpoint_program(model_dir)
+    raw, config, tensors, program = models.load_checkpoint_program(model_dir)
     buckets = resolve_buckets(prefill_buckets, context_buckets, config.max_position_embeddings, batch_rows, kv_pages,
-                              kv_block)
+                              kv_block, legacy_attention)
     out = Path(out) if out is not None else default_artifact_dir(model_dir, target)
     signatures = kernel_signatures(program, buckets)
     manifest = Manifest(
@@ -144,15 +147,13 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
         target=tgt.describe(),
         buckets=buckets,
         tvm_version=tvm.__version__,
-        params=tuple(TensorSpec(p.name, p.type.shape, p.type.dtype) for p in program.params.values()),
-        cache=_state_tensors(program.entries["decode"], {}),
+        params=tuple(ParamSpec(p.name, p.type.shape, p.type.dtype, p.source_tensors, tuple(
+            SAFETENSORS_DTYPES[tensors[s].dtype] for s in p.source_tensors), p.transform) for p in program.params.values()),
+        inputs=_entry_inputs(program, buckets),
         vocab_size=config.vocab_size,
         functions=tuple(name for name, _, _ in buckets.functions()),
         kernels=tuple(sig.name for sig in signatures),
         build_options=_options(tgt, buckets, mcpu),
-        batch_state=_state_tensors(program.entries["step"], buckets.arena_dims()) if buckets.batch_rows else (),
-        step_inputs=tuple(name for name in program.entries["step"].inputs
-                          if program.entries["step"].types[name].dtype == "int32") if buckets.batch_rows else (),
     )
     with locked_output(out, Path(model_dir)) as output:
         if not force and _up_to_date(out, manifest):
@@ -176,6 +177,7 @@ def _options(tgt: CpuTarget | CudaTarget, buckets: Buckets, mcpu: str | None) ->
     if buckets.batch_rows:
         options += ["--batch-rows", sizes(buckets.batch_rows), "--kv-pages", str(buckets.kv_pages),
                     "--kv-block-size", str(buckets.kv_block)]
+        options += ["--legacy-paged-attention"] if buckets.legacy_attention else []
     if isinstance(tgt, CudaTarget):
         options += ["--arch", tgt.arch, "--cuda-compiler", tgt.compiler]
         options += ["--ptx-version", tgt.ptx_version] if tgt.ptx_version else []
@@ -185,11 +187,13 @@ def _options(tgt: CpuTarget | CudaTarget, buckets: Buckets, mcpu: str | None) ->
     return tuple(options)
 
 
-def _state_tensors(graph, dims: dict[str, int]) -> tuple[TensorSpec, ...]:
-    """The state an entry carries across calls (its float inputs: KV caches or pages, recurrent states), with
-    `dims` bound (the runtime binds the rest, e.g. the context capacity)."""
-    return tuple(TensorSpec(name, graph.types[name].bind(dims).shape, graph.types[name].dtype)
-                 for name in graph.inputs if graph.types[name].dtype == "float32")
+def _entry_inputs(program, buckets: Buckets) -> dict[str, tuple[InputSpec, ...]]:
+    """The runtime inputs of each entry the artifact has functions for, by role, with the arena dims bound (the
+    runtime binds the rest, e.g. a cache's capacity)."""
+    built = {entry for _, entry, _ in buckets.functions()}
+    return {name: tuple(InputSpec(v, graph.roles[v].kind, graph.roles[v].layer, graph.types[v].bind(
+        buckets.arena_dims() if buckets.batch_rows else {}).shape, graph.types[v].dtype) for v in graph.inputs)
+        for name, graph in program.entries.items() if name in built}
 
 
 def _describe(tgt: CpuTarget | CudaTarget) -> str:

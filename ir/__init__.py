@@ -2,7 +2,23 @@
 
 from .builder import GraphBuilder
 from .errors import RudaError
-from .graph import BLOCK, CONTEXT, HISTORY, PAGES, PAGES_PER_ROW, ROWS, SLOTS, TOKENS, Graph, Op, Param, Program, TensorType
+from .graph import (
+    BLOCK,
+    CONTEXT,
+    HISTORY,
+    INPUT_ROLES,
+    PAGES,
+    PAGES_PER_ROW,
+    ROWS,
+    SLOTS,
+    TOKENS,
+    Graph,
+    Op,
+    Param,
+    Program,
+    Role,
+    TensorType,
+)
 from .ops import OPS, IRError, infer_types
 from .passes import eliminate_dead_values, fuse_add_rms_norm
 from .printer import format_program
@@ -10,7 +26,7 @@ from .serialize import from_json, stable_hash, to_json
 from .verify import verify
 
 __all__ = [
-    "BLOCK", "CONTEXT", "HISTORY", "PAGES", "PAGES_PER_ROW", "ROWS", "SLOTS", "TOKENS", "Graph", "GraphBuilder", "IRError", "OPS",
-    "Op", "Param", "Program", "RudaError", "TensorType", "eliminate_dead_values", "format_program", "from_json", "fuse_add_rms_norm", "infer_types",
+    "BLOCK", "CONTEXT", "HISTORY", "INPUT_ROLES", "PAGES", "PAGES_PER_ROW", "ROWS", "SLOTS", "TOKENS", "Graph", "GraphBuilder", "IRError", "OPS",
+    "Op", "Param", "Program", "Role", "RudaError", "TensorType", "eliminate_dead_values", "format_program", "from_json", "fuse_add_rms_norm", "infer_types",
     "stable_hash", "to_json", "verify",
 ]

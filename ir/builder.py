@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .graph import Dim, Graph, Op, Param, TensorType
+from .graph import Dim, Graph, Op, Param, Role, TensorType
 from .ops import OPS, IRError, infer_types
 
 
@@ -15,11 +15,13 @@ class GraphBuilder:
         self.inputs: list[str] = []
         self.ops: list[Op] = []
         self.types: dict[str, TensorType] = {}
+        self.roles: dict[str, Role] = {}
 
-    def input(self, name: str, shape: tuple[Dim, ...], dtype: str) -> str:
-        """Declare a runtime input."""
+    def input(self, name: str, shape: tuple[Dim, ...], dtype: str, role: str, layer: int | None = None) -> str:
+        """Declare a runtime input and its role (ir.graph.INPUT_ROLES; state roles name their layer)."""
         self._define(name, TensorType(tuple(shape), dtype))
         self.inputs.append(name)
+        self.roles[name] = Role(role, layer)
         return name
 
     def op(self, kind: str, inputs: list[str], name: str, **attrs) -> str | tuple[str, ...]:
@@ -44,7 +46,7 @@ class GraphBuilder:
         """The built graph."""
         for out in outputs:
             self.type_of(out)
-        return Graph(self.name, list(self.inputs), list(self.ops), list(outputs), dict(self.types))
+        return Graph(self.name, list(self.inputs), list(self.ops), list(outputs), dict(self.types), dict(self.roles))
 
     def _define(self, name: str, t: TensorType) -> None:
         if name in self.types or name in self.params:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from .errors import RudaError
-from .graph import BLOCK, CONTEXT, HISTORY, PAGES, PAGES_PER_ROW, ROWS, SLOTS, TOKENS
+from .graph import BLOCK, CONTEXT, HISTORY, PAGES, PAGES_PER_ROW, ROWS, SLOTS, STATE_ROLES, TOKENS
 
 FORMAT = 2
 KIND = "ruda-artifact"  # what marks a directory as ours: only such a directory is ever replaced by a build
@@ -40,12 +40,33 @@ class ArtifactError(RudaError):
 
 
 @dataclass(frozen=True)
-class TensorSpec:
-    """A named tensor: shape (ints, or symbolic dims the runtime binds) and dtype."""
+class ParamSpec:
+    """A param of the module: name, shape, dtype, and how the runtime makes it from the checkpoint (its source
+    tensors, their dtypes, and the transform: ir.graph.WEIGHT_TRANSFORMS)."""
 
     name: str
+    shape: tuple[int, ...]
+    dtype: str
+    sources: tuple[str, ...]
+    source_dtypes: tuple[str, ...]
+    transform: str
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One runtime input of a compiled entry: its role (ir.graph.INPUT_ROLES) and, for state, its layer; shape
+    (ints, or symbolic dims the runtime binds) and dtype. The runtime passes inputs in this order, by role."""
+
+    name: str
+    role: str
+    layer: Union[int, None]
     shape: tuple[Union[int, str], ...]
     dtype: str
+
+    @property
+    def is_state(self) -> bool:
+        """Whether the runtime keeps this input between calls (caches, KV pages, recurrent states)."""
+        return self.role in STATE_ROLES
 
 
 @dataclass(frozen=True)
@@ -59,20 +80,27 @@ class Buckets:
     batch_rows: tuple[int, ...] = ()
     kv_pages: int = 0
     kv_block: int = 16
+    legacy_attention: bool = False
+    """batched: also build the gather path of paged attention (RUDA_PAGED_ATTENTION=legacy)"""
 
     @property
     def pages_per_row(self) -> int:
         """Block-table width: pages covering the largest context."""
         return -(-self.context[-1] // self.kv_block)
 
+    @property
+    def step_tokens(self) -> tuple[int, ...]:
+        """Token buckets of batched steps: the prefill chunk sizes, and the row counts (a step of decodes only)."""
+        return tuple(sorted(set(self.prefill_tokens) | set(self.batch_rows)))
+
     def functions(self) -> list[tuple[str, str, dict[str, int]]]:
         """(VM function name, entry name, dim bindings) for every specialisation."""
         out = [(f"decode_c{c}", "decode", {CONTEXT: c}) for c in self.context]
         out += [(f"prefill_t{t}_c{c}", "prefill", {TOKENS: t, CONTEXT: c})
                 for c in self.context for t in self.prefill_tokens if t <= c]
+        paths = (("step", "step"), ("gather", "step_gather")) if self.legacy_attention else (("step", "step"),)
         out += [(f"{prefix}_t{t}_r{r}", entry, {TOKENS: t, ROWS: r, **self.arena_dims()})
-                for prefix, entry in (("step", "step"), ("gather", "step_gather"))
-                for t in self.prefill_tokens for r in self.batch_rows if r <= t]
+                for prefix, entry in paths for t in self.step_tokens for r in self.batch_rows if r <= t]
         return out
 
     def arena_dims(self) -> dict[str, int]:
@@ -115,8 +143,9 @@ class Manifest:
     tvm_version: str
     target: TargetSpec
     buckets: Buckets
-    params: tuple[TensorSpec, ...]
-    cache: tuple[TensorSpec, ...]
+    params: tuple[ParamSpec, ...]
+    inputs: dict[str, tuple[InputSpec, ...]]
+    """Each entry's runtime inputs in call order (state shapes with the arena dims bound)."""
     vocab_size: int
     functions: tuple[str, ...]
     kernels: tuple[str, ...]
@@ -124,8 +153,6 @@ class Manifest:
     """`compiler build` options (after MODEL_DIR, without --out) that reproduce this artifact."""
     files: dict[str, str] = field(default_factory=dict)
     """SHA-256 of each module file."""
-    batch_state: tuple[TensorSpec, ...] = ()
-    step_inputs: tuple[str, ...] = ()
     format: int = FORMAT
     kind: str = KIND
 

@@ -21,6 +21,48 @@ HISTORY = "history"  # positions a block table covers: pages_per_row * block
 SLOTS = "slots"  # recurrent-state slots of batched execution: one per sequence a batch may hold
 
 
+# What each runtime input of an entry carries: the runtime fills inputs by role, never by name or position.
+INPUT_ROLES = {
+    "token_ids": "the new tokens, one per row (padded to the bucket)",
+    "input_embeddings": "the new tokens' input embeddings, one row each (in place of token ids)",
+    "token_count": "how many of the tokens are real",
+    "start_position": "one sequence: the position of its first new token",
+    "token_positions": "batch step: each token's position in its sequence",
+    "token_rows": "batch step: each token's sequence (its row of the block table)",
+    "kv_slots": "batch step: each token's KV slot (page * block + offset; negative for padding)",
+    "block_table": "batch step: the pages of each sequence",
+    "last_tokens": "batch step: each sequence's last token row (whose logits come out)",
+    "seq_start": "batch step: each sequence's first token row",
+    "seq_len": "batch step: each sequence's token count",
+    "seq_pos": "batch step: each sequence's first position",
+    "seq_slot": "batch step: each sequence's recurrent-state slot",
+    "k_cache": "state of one layer: one sequence's keys",
+    "v_cache": "state of one layer: one sequence's values",
+    "conv_state": "state of one layer: one sequence's causal-conv window",
+    "recurrent_state": "state of one layer: one sequence's recurrent (delta rule) state",
+    "k_pages": "state of one layer: the KV arena's key pages",
+    "v_pages": "state of one layer: the KV arena's value pages",
+    "conv_pool": "state of one layer: causal-conv windows, one per slot",
+    "recurrent_pool": "state of one layer: recurrent states, one per slot",
+}
+STATE_ROLES = frozenset(role for role, what in INPUT_ROLES.items() if what.startswith("state of one layer"))
+PAGED_KV_ROLES = ("k_pages", "v_pages")
+RECURRENT_ROLES = ("conv_state", "recurrent_state", "conv_pool", "recurrent_pool")
+
+
+@dataclass(frozen=True)
+class Role:
+    """What a graph input carries: a kind from INPUT_ROLES and, for state, its layer."""
+
+    kind: str
+    layer: int | None = None
+
+    @property
+    def is_state(self) -> bool:
+        """Whether the input is state a call reads and updates (caches, pages, recurrent states)."""
+        return self.kind in STATE_ROLES
+
+
 @dataclass(frozen=True)
 class TensorType:
     """Shape (ints or symbolic dim names) and element dtype of a value."""
@@ -36,12 +78,27 @@ class TensorType:
         return TensorType(tuple(dims.get(d, d) if isinstance(d, str) else d for d in self.shape), self.dtype)
 
 
+# How a param is made from its checkpoint tensors (the weight map); the runtime's loader implements each.
+WEIGHT_TRANSFORMS = {
+    "copy": "the one source tensor as the checkpoint stores it",
+}
+
+
 @dataclass(frozen=True)
 class Param:
-    """A weight: its checkpoint tensor name and type."""
+    """A weight: its name and type, and the weight map's entry for it: the checkpoint tensors it is made from
+    (none given: the one of its own name) and the transform (WEIGHT_TRANSFORMS) that makes it. A storage type
+    (quantised, blocked) plugs in here, with its own params and transform, not in the model builders."""
 
     name: str
     type: TensorType
+    sources: tuple[str, ...] = ()
+    transform: str = "copy"
+
+    @property
+    def source_tensors(self) -> tuple[str, ...]:
+        """The checkpoint tensors this param is made from."""
+        return self.sources or (self.name,)
 
 
 @dataclass(frozen=True)
@@ -56,13 +113,14 @@ class Op:
 
 @dataclass
 class Graph:
-    """One entry point (prefill, decode): runtime inputs, ops in order, outputs, value types."""
+    """One entry point (prefill, decode, step): runtime inputs and their roles, ops in order, outputs, value types."""
 
     name: str
     inputs: list[str]
     ops: list[Op]
     outputs: list[str]
     types: dict[str, TensorType]
+    roles: dict[str, Role] = field(default_factory=dict)
 
 
 @dataclass

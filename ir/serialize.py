@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 
-from .graph import Graph, Op, Param, Program, TensorType
+from .graph import Graph, Op, Param, Program, Role, TensorType
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def _type(t: TensorType) -> dict:
@@ -24,11 +24,13 @@ def to_json_dict(program: Program) -> dict:
         "format": FORMAT_VERSION,
         "model_type": program.model_type,
         "meta": program.meta,
-        "params": [{"name": p.name, **_type(p.type)} for p in program.params.values()],
+        "params": [{"name": p.name, **_type(p.type), "sources": list(p.sources), "transform": p.transform}
+                   for p in program.params.values()],
         "entries": [
             {
                 "name": g.name,
                 "inputs": g.inputs,
+                "roles": {name: [role.kind, role.layer] for name, role in g.roles.items()},
                 "outputs": g.outputs,
                 "types": {k: _type(t) for k, t in g.types.items()},
                 "ops": [{"kind": o.kind, "inputs": list(o.inputs), "outputs": list(o.outputs), "attrs": o.attrs}
@@ -43,12 +45,13 @@ def from_json_dict(d: dict) -> Program:
     """The program a `to_json_dict` dict describes."""
     if d.get("format") != FORMAT_VERSION:
         raise ValueError(f"IR format {d.get('format')!r} is not {FORMAT_VERSION}")
-    params = {p["name"]: Param(p["name"], _untype(p)) for p in d["params"]}
+    params = {p["name"]: Param(p["name"], _untype(p), tuple(p["sources"]), p["transform"]) for p in d["params"]}
     entries = {}
     for e in d["entries"]:
         ops = [Op(o["kind"], tuple(o["inputs"]), tuple(o["outputs"]), o["attrs"]) for o in e["ops"]]
         types = {k: _untype(t) for k, t in e["types"].items()}
-        entries[e["name"]] = Graph(e["name"], list(e["inputs"]), ops, list(e["outputs"]), types)
+        roles = {name: Role(kind, layer) for name, (kind, layer) in e["roles"].items()}
+        entries[e["name"]] = Graph(e["name"], list(e["inputs"]), ops, list(e["outputs"]), types, roles)
     return Program(d["model_type"], params, entries, d["meta"])
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .graph import Graph, Program
+from .graph import INPUT_ROLES, WEIGHT_TRANSFORMS, Graph, Program
 from .ops import OPS, IRError, infer_types
 
 
@@ -16,6 +16,9 @@ def verify_graph(graph: Graph, program: Program) -> None:
             raise IRError(f"{where}: input {name!r} shadows a param or another input")
         if name not in graph.types:
             raise IRError(f"{where}: input {name!r} has no declared type")
+        role = graph.roles.get(name)
+        if role is None or role.kind not in INPUT_ROLES or (role.layer is not None) != role.is_state:
+            raise IRError(f"{where}: input {name!r} has no valid role ({role}); state roles name their layer")
         defined.add(name)
     for op in graph.ops:
         for v in op.inputs:
@@ -40,13 +43,19 @@ def verify_graph(graph: Graph, program: Program) -> None:
     for out in graph.outputs:
         if out not in defined or out in overwritten:
             raise IRError(f"{where}: output {out!r} is undefined or overwritten")
+    if set(graph.roles) != set(graph.inputs):
+        raise IRError(f"{where}: roles given for values that are not inputs: {sorted(set(graph.roles) - set(graph.inputs))}")
     stray = set(graph.types) - (defined - set(program.params))
     if stray:
         raise IRError(f"{where}: types given for values never defined: {sorted(stray)}")
 
 
 def verify(program: Program) -> Program:
-    """Raise IRError if any entry of `program` is ill-formed; returns the program."""
+    """Raise IRError if any param's weight-map entry or any entry of `program` is ill-formed; returns the program."""
+    for param in program.params.values():
+        if param.transform not in WEIGHT_TRANSFORMS or (param.transform == "copy" and len(param.source_tensors) != 1):
+            raise IRError(f"{program.model_type}: param {param.name!r} has transform {param.transform!r} of "
+                          f"{list(param.source_tensors)}; transforms: {', '.join(WEIGHT_TRANSFORMS)} (copy: one source)")
     for graph in program.entries.values():
         verify_graph(graph, program)
     return program

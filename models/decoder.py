@@ -27,6 +27,7 @@ from ir import (
 from ir.ops import SEQUENCE_INPUTS
 
 from .config import MAX_LAYERS, ConfigReader
+from .layers import linear, lm_head, swiglu_mlp
 from .rope import inv_freq, read_rope
 
 PARAM_DTYPES = ("float32", "float16", "bfloat16")
@@ -146,11 +147,9 @@ def assemble_program(c: DecoderConfig, shapes: dict, param_dtypes: Mapping[str, 
 
 def _entry(c: DecoderConfig, params: dict[str, Param], name: str, tokens):
     g = GraphBuilder(name, params)
-    ids = g.input("ids", (tokens,), "int32")
-    pos = g.input("pos", (), "int32")
-    n = g.input("n", (), "int32")
+    ids, pos, n = single_sequence_inputs(g, tokens)
     kv = c.num_key_value_heads * c.head_dim
-    caches = [(g.input(f"k_cache.{i}", (CONTEXT, kv), "float32"), g.input(f"v_cache.{i}", (CONTEXT, kv), "float32"))
+    caches = [tuple(g.input(f"{part}_cache.{i}", (CONTEXT, kv), "float32", f"{part}_cache", i) for part in ("k", "v"))
               for i in range(c.num_hidden_layers)]
     h = g.op("embedding", ["model.embed_tokens.weight", ids], "embed")
     for i, (k_cache, v_cache) in enumerate(caches):
@@ -160,15 +159,15 @@ def _entry(c: DecoderConfig, params: dict[str, Param], name: str, tokens):
             return g.op("attention", [q, k_all, v_all, pos, n], p + "attn", **attention_attrs(c))
         h = _layer(g, c, f"model.layers.{i}.", h, pos, attend)
     h = g.op("rms_norm", [h, "model.norm.weight"], "final_norm", eps=c.rms_norm_eps)
-    logits = logits_head(g, c, h, n, tokens, "model.embed_tokens.weight")
+    logits = logits_head(g, c, h, n, tokens, "model.embed_tokens")
     return eliminate_dead_values(fuse_add_rms_norm(g.finish([logits])))
 
 
 def logits_head(g: GraphBuilder, c: DecoderConfig, h: str, n: str, tokens, embed: str) -> str:
-    """Logits of the last valid token of the normalised hidden states (lm_head, or the tied embedding)."""
+    """Logits of the last valid token of the normalised hidden states (lm_head, or the tied embedding module)."""
     if tokens != 1:
         h = g.op("take_last", [h, n], "last")
-    return g.op("linear", [h, embed if c.tie_word_embeddings else "lm_head.weight"], "logits")
+    return lm_head(g, h, embed, c.tie_word_embeddings)
 
 
 def _step_entry(c: DecoderConfig, params: dict[str, Param], gather: bool):
@@ -181,23 +180,31 @@ def _step_entry(c: DecoderConfig, params: dict[str, Param], gather: bool):
     g = GraphBuilder("step_gather" if gather else "step", params)
     step = step_inputs(g)
     kv = c.num_key_value_heads * c.head_dim
-    arenas = [tuple(g.input(f"{kind}_pages.{i}", (PAGES, BLOCK, kv), "float32") for kind in ("k", "v"))
+    arenas = [tuple(g.input(f"{kind}_pages.{i}", (PAGES, BLOCK, kv), "float32", f"{kind}_pages", i) for kind in ("k", "v"))
               for i in range(c.num_hidden_layers)]
     h = g.op("embedding", ["model.embed_tokens.weight", step["ids"]], "embed")
     for i, pages in enumerate(arenas):
         h = _layer(g, c, f"model.layers.{i}.", h, step["pos_of"], paged_attend(g, c, step, *pages, gather))
     h = g.op("rms_norm", [h, "model.norm.weight"], "final_norm", eps=c.rms_norm_eps)
-    return eliminate_dead_values(fuse_add_rms_norm(g.finish([batch_logits(g, c, h, step, "model.embed_tokens.weight")])))
+    return eliminate_dead_values(fuse_add_rms_norm(g.finish([batch_logits(g, c, h, step, "model.embed_tokens")])))
+
+
+def single_sequence_inputs(g: GraphBuilder, tokens) -> tuple[str, str, str]:
+    """The inputs of a one-sequence call: token ids (a bucket of `tokens`), the first one's position, how many
+    are real."""
+    return (g.input("ids", (tokens,), "int32", "token_ids"), g.input("pos", (), "int32", "start_position"),
+            g.input("n", (), "int32", "token_count"))
 
 
 def step_inputs(g: GraphBuilder, sequences: bool = False) -> dict[str, str]:
     """The per-token and per-sequence inputs of a batched step (`sequences`: those recurrent ops need too)."""
-    names = {name: g.input(name, (TOKENS,), "int32") for name in ("ids", "pos_of", "row_of", "slots")}
-    names["block_table"] = g.input("block_table", (ROWS, PAGES_PER_ROW), "int32")
-    names["last"] = g.input("last", (ROWS,), "int32")
+    names = {name: g.input(name, (TOKENS,), "int32", role) for name, role in (
+        ("ids", "token_ids"), ("pos_of", "token_positions"), ("row_of", "token_rows"), ("slots", "kv_slots"))}
+    names["block_table"] = g.input("block_table", (ROWS, PAGES_PER_ROW), "int32", "block_table")
+    names["last"] = g.input("last", (ROWS,), "int32", "last_tokens")
     if sequences:
-        names["n"] = g.input("n", (), "int32")
-        names |= {name: g.input(name, (ROWS,), "int32") for name in SEQUENCE_INPUTS}
+        names["n"] = g.input("n", (), "int32", "token_count")
+        names |= {name: g.input(name, (ROWS,), "int32", name) for name in SEQUENCE_INPUTS}
     return names
 
 
@@ -218,9 +225,8 @@ def paged_attend(g: GraphBuilder, c: DecoderConfig, step: dict[str, str], k_page
 
 
 def batch_logits(g: GraphBuilder, c: DecoderConfig, h: str, step: dict[str, str], embed: str) -> str:
-    """Logits of each sequence's last row of the normalised hidden states."""
-    h = g.op("take_rows", [h, step["last"]], "last_rows")
-    return g.op("linear", [h, embed if c.tie_word_embeddings else "lm_head.weight"], "logits")
+    """Logits of each sequence's last row of the normalised hidden states (lm_head, or the tied embedding module)."""
+    return lm_head(g, g.op("take_rows", [h, step["last"]], "last_rows"), embed, c.tie_word_embeddings)
 
 
 def attention_attrs(c: DecoderConfig) -> dict:
@@ -232,17 +238,11 @@ def attention_attrs(c: DecoderConfig) -> dict:
 def _layer(g: GraphBuilder, c: DecoderConfig, p: str, h: str, pos: str, attend) -> str:
     """One decoder layer; `attend(q, k, v, prefix)` stores k/v in the cache and attends over it."""
     x = g.op("rms_norm", [h, p + "input_layernorm.weight"], p + "attn_norm", eps=c.rms_norm_eps)
-    qkv = []
-    for name in ("q", "k", "v"):
-        w = p + f"self_attn.{name}_proj."
-        qkv.append(g.op("linear", [x, w + "weight"] + ([w + "bias"] if c.qkv_bias else []), p + name))
+    qkv = [linear(g, x, f"{p}self_attn.{name}_proj", p + name, bias=c.qkv_bias) for name in ("q", "k", "v")]
     rope = {"head_dim": c.head_dim, "inv_freq": list(c.rope_inv_freq)}
     q = g.op("rope", [qkv[0], pos], p + "q_rot", **rope)
     k = g.op("rope", [qkv[1], pos], p + "k_rot", **rope)
     attn = attend(q, k, qkv[2], p)
-    h = g.op("add", [h, g.op("linear", [attn, p + "self_attn.o_proj.weight"], p + "attn_out")], p + "attn_res")
+    h = g.op("add", [h, linear(g, attn, p + "self_attn.o_proj", p + "attn_out")], p + "attn_res")
     x = g.op("rms_norm", [h, p + "post_attention_layernorm.weight"], p + "mlp_norm", eps=c.rms_norm_eps)
-    gate = g.op("linear", [x, p + "mlp.gate_proj.weight"], p + "gate")
-    up = g.op("linear", [x, p + "mlp.up_proj.weight"], p + "up")
-    act = g.op("silu_mul", [gate, up], p + "act")
-    return g.op("add", [h, g.op("linear", [act, p + "mlp.down_proj.weight"], p + "down")], p + "mlp_res")
+    return g.op("add", [h, swiglu_mlp(g, x, p + "mlp", p)], p + "mlp_res")

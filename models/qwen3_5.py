@@ -34,6 +34,7 @@ from ir import (
 from ir.ops import SEQUENCE_INPUTS
 
 from .config import ConfigReader
+from .layers import linear, swiglu_mlp
 from .decoder import (
     DecoderConfig,
     assemble_program,
@@ -42,6 +43,7 @@ from .decoder import (
     decoder_fields,
     logits_head,
     paged_attend,
+    single_sequence_inputs,
     step_inputs,
 )
 
@@ -174,14 +176,13 @@ def build_program(c: Qwen35Config, param_dtypes: Mapping[str, str] | None = None
 def _entry(c: Qwen35Config, params: dict[str, Param], name: str, tokens):
     """One sequence: a prefill chunk of `tokens` (n of them valid) at position `pos`, or one decode token."""
     g = GraphBuilder(name, params)
-    ids = g.input("ids", (tokens,), "int32")
-    pos = g.input("pos", (), "int32")
-    n = g.input("n", (), "int32")
+    ids, pos, n = single_sequence_inputs(g, tokens)
     kv = c.num_key_value_heads * c.head_dim
     mixers = []
     for i, kind in enumerate(c.layer_types):
         if kind == "full_attention":
-            k_cache, v_cache = (g.input(f"{part}_cache.{i}", (CONTEXT, kv), "float32") for part in ("k", "v"))
+            k_cache, v_cache = (g.input(f"{part}_cache.{i}", (CONTEXT, kv), "float32", f"{part}_cache", i)
+                                for part in ("k", "v"))
 
             def attend(q, k, v, layer, k_cache=k_cache, v_cache=v_cache):
                 k_all = g.op("kv_append", [k_cache, k, pos, n], layer + "k_cache")
@@ -189,14 +190,14 @@ def _entry(c: Qwen35Config, params: dict[str, Param], name: str, tokens):
                 return g.op("attention", [q, k_all, v_all, pos, n], layer + "attn", **attention_attrs(c))
             mixers.append(partial(_gated_attention, g, c, pos=pos, attend=attend))
         else:
-            conv = g.input(f"conv_state.{i}", (c.conv_kernel - 1, c.conv_dim), "float32")
+            conv = g.input(f"conv_state.{i}", (c.conv_kernel - 1, c.conv_dim), "float32", "conv_state", i)
             delta = g.input(f"delta_state.{i}", (c.linear_num_value_heads, c.linear_key_head_dim,
-                                                 c.linear_value_head_dim), "float32")
+                                                 c.linear_value_head_dim), "float32", "recurrent_state", i)
             recurrent = partial(_solo_recurrence, g, c, n, conv, delta, 0 if tokens == 1 else PREFILL_CHUNK)
             mixers.append(partial(_gated_delta_net, g, c, n=n, recurrence=recurrent))
     h = _decoder(g, c, ids, mixers)
     return eliminate_dead_values(fuse_add_rms_norm(g.finish([logits_head(g, c, h, n, tokens,
-                                                                         c.weight_prefix + "embed_tokens.weight")])))
+                                                                         c.weight_prefix + "embed_tokens")])))
 
 
 def _step_entry(c: Qwen35Config, params: dict[str, Param], gather: bool):
@@ -209,18 +210,19 @@ def _step_entry(c: Qwen35Config, params: dict[str, Param], gather: bool):
     mixers = []
     for i, kind in enumerate(c.layer_types):
         if kind == "full_attention":
-            pages = [g.input(f"{part}_pages.{i}", (PAGES, BLOCK, kv), "float32") for part in ("k", "v")]
+            pages = [g.input(f"{part}_pages.{i}", (PAGES, BLOCK, kv), "float32", f"{part}_pages", i)
+                     for part in ("k", "v")]
             mixers.append(partial(_gated_attention, g, c, pos=step["pos_of"],
                                   attend=paged_attend(g, c, step, *pages, gather)))
         else:
-            conv = g.input(f"conv_pool.{i}", (SLOTS, c.conv_kernel - 1, c.conv_dim), "float32")
+            conv = g.input(f"conv_pool.{i}", (SLOTS, c.conv_kernel - 1, c.conv_dim), "float32", "conv_pool", i)
             delta = g.input(f"delta_pool.{i}", (SLOTS, c.linear_num_value_heads, c.linear_key_head_dim,
-                                                c.linear_value_head_dim), "float32")
+                                                c.linear_value_head_dim), "float32", "recurrent_pool", i)
             mixers.append(partial(_gated_delta_net, g, c, n=step["n"],
                                   recurrence=partial(_batch_recurrence, g, c, seqs, conv, delta)))
     h = _decoder(g, c, step["ids"], mixers)
     return eliminate_dead_values(fuse_add_rms_norm(g.finish([batch_logits(g, c, h, step,
-                                                                          c.weight_prefix + "embed_tokens.weight")])))
+                                                                          c.weight_prefix + "embed_tokens")])))
 
 
 def _decoder(g: GraphBuilder, c: Qwen35Config, ids: str, mixers: list) -> str:
@@ -234,21 +236,18 @@ def _decoder(g: GraphBuilder, c: Qwen35Config, ids: str, mixers: list) -> str:
         h = g.op("add", [h, mixer(layer, x)], layer + "mixer_res")
         x = g.op("rms_norm", [h, layer + "post_attention_layernorm.weight"], layer + "mlp_norm", eps=c.rms_norm_eps,
                  weight_offset=NORM_OFFSET)
-        gate = g.op("linear", [x, layer + "mlp.gate_proj.weight"], layer + "gate")
-        up = g.op("linear", [x, layer + "mlp.up_proj.weight"], layer + "up")
-        act = g.op("silu_mul", [gate, up], layer + "act")
-        h = g.op("add", [h, g.op("linear", [act, layer + "mlp.down_proj.weight"], layer + "down")], layer + "mlp_res")
+        h = g.op("add", [h, swiglu_mlp(g, x, layer + "mlp", layer)], layer + "mlp_res")
     return g.op("rms_norm", [h, p + "norm.weight"], "final_norm", eps=c.rms_norm_eps, weight_offset=NORM_OFFSET)
 
 
 def _gated_attention(g: GraphBuilder, c: Qwen35Config, layer: str, x: str, *, pos: str, attend) -> str:
     """Gated attention; `attend(q, k, v, layer)` stores k/v and attends over the sequence's cache."""
     a, d = layer + "self_attn.", c.head_dim
-    q_gate = g.op("linear", [x, a + "q_proj.weight"], layer + "q_gate")
+    q_gate = linear(g, x, a + "q_proj", layer + "q_gate")
     q = g.op("slice_cols", [q_gate], layer + "q", period=2 * d, offset=0, width=d)
     gate = g.op("slice_cols", [q_gate], layer + "attn_gate", period=2 * d, offset=d, width=d)
-    k = g.op("linear", [x, a + "k_proj.weight"], layer + "k")
-    v = g.op("linear", [x, a + "v_proj.weight"], layer + "v")
+    k = linear(g, x, a + "k_proj", layer + "k")
+    v = linear(g, x, a + "v_proj", layer + "v")
     norm = {"eps": c.rms_norm_eps, "group": d, "weight_offset": NORM_OFFSET}
     q = g.op("rms_norm", [q, a + "q_norm.weight"], layer + "q_normed", **norm)
     k = g.op("rms_norm", [k, a + "k_norm.weight"], layer + "k_normed", **norm)
@@ -256,16 +255,14 @@ def _gated_attention(g: GraphBuilder, c: Qwen35Config, layer: str, x: str, *, po
     q = g.op("rope", [q, pos], layer + "q_rot", **rope)
     k = g.op("rope", [k, pos], layer + "k_rot", **rope)
     gated = g.op("sigmoid_mul", [gate, attend(q, k, v, layer)], layer + "attn_gated")
-    return g.op("linear", [gated, a + "o_proj.weight"], layer + "attn_out")
+    return linear(g, gated, a + "o_proj", layer + "attn_out")
 
 
 def _gated_delta_net(g: GraphBuilder, c: Qwen35Config, layer: str, x: str, *, n: str, recurrence) -> str:
     """Gated DeltaNet; `recurrence(layer, what, qkv, prepare)` runs the conv and the delta rule over the states."""
     a = layer + "linear_attn."
-    qkv = g.op("linear", [x, a + "in_proj_qkv.weight"], layer + "qkv")
-    z = g.op("linear", [x, a + "in_proj_z.weight"], layer + "z")
-    b = g.op("linear", [x, a + "in_proj_b.weight"], layer + "b")
-    a_in = g.op("linear", [x, a + "in_proj_a.weight"], layer + "a")
+    qkv, z, b, a_in = (linear(g, x, a + f"in_proj_{part}", layer + name)
+                       for part, name in (("qkv", "qkv"), ("z", "z"), ("b", "b"), ("a", "a")))
 
     def prepare(mixed):  # normalised q/k and the gates of the delta rule
         return g.op("delta_inputs", [mixed, a_in, b, a + "A_log", a + "dt_bias", n], layer + "delta_in",
@@ -274,7 +271,7 @@ def _gated_delta_net(g: GraphBuilder, c: Qwen35Config, layer: str, x: str, *, n:
     normed = g.op("rms_norm", [core, a + "norm.weight"], layer + "delta_normed", eps=c.rms_norm_eps,
                   group=c.linear_value_head_dim)
     gated = g.op("silu_mul", [z, normed], layer + "delta_gated")
-    return g.op("linear", [gated, a + "out_proj.weight"], layer + "delta_out")
+    return linear(g, gated, a + "out_proj", layer + "delta_out")
 
 
 def _delta_attrs(c: Qwen35Config) -> dict:

@@ -5,8 +5,16 @@ from __future__ import annotations
 from typing import Iterator, Sequence
 
 from .engine import CompiledModel, GenerationError
-from .sampling import GreedyGenerationConfig, TokenPicker, make_picker
-from .scheduler import ContinuousBatchConfig, ContinuousBatchScheduler, FinishedRequest, PagedKvCacheConfig, RequestId
+from .request import IncrementalDetokenizer
+from .sampling import GreedyGenerationConfig, TokenPicker, make_picker, pick_tokens
+from .scheduler import (
+    ContinuousBatchConfig,
+    ContinuousBatchScheduler,
+    FinishedRequest,
+    PagedKvCacheConfig,
+    RequestId,
+    TokenDelta,
+)
 
 
 def arena_config(model: CompiledModel) -> PagedKvCacheConfig:
@@ -18,9 +26,13 @@ def arena_config(model: CompiledModel) -> PagedKvCacheConfig:
 class BatchExecutor:
     """Serves many requests at once: schedules batches, runs them, picks each row's token, repeats.
 
-    Every request keeps its own token picker (greedy, or sampled with its own seeded generator), so
-    its tokens are those it would get alone.
+    Every request keeps its own token picker (greedy, or sampled with its own seeded generator), so its tokens
+    are those it would get alone. A failed step does not end the service: the device cache is rebuilt, every
+    running request recomputes its tokens, and a request whose steps fail MAX_FAILURES times finishes with
+    finish_reason "error" (the last error is kept in `last_error`).
     """
+
+    MAX_FAILURES = 2
 
     def __init__(self, model: CompiledModel, batch_config: ContinuousBatchConfig,
                  kv_config: PagedKvCacheConfig | None = None, default_eos_token_ids: Sequence[int] = ()):
@@ -36,67 +48,71 @@ class BatchExecutor:
             raise GenerationError(f"{batch_config} exceeds the artifact's batch steps (rows up to {b.batch_rows[-1]}, "
                                   f"tokens up to {b.prefill_tokens[-1]}); rebuild with larger --batch-rows / "
                                   "--prefill-buckets")
-        recurrent = any("_pool." in e.name for e in model.manifest.batch_state)  # per-sequence recurrent states
         self.scheduler = ContinuousBatchScheduler(batch_config, kv_config, default_eos_token_ids,
-                                                  share_prefixes=not recurrent)
+                                                  share_prefixes=not model.has_recurrent_state)
         self.cache = model.new_batch_cache()
-        self._requests: dict[RequestId, tuple[list[int], TokenPicker]] = {}
-        self._slot_of: dict[RequestId, int] = {}
-        self._free_slots = list(range(batch_config.max_active_sequences))
+        self._pickers: dict[RequestId, TokenPicker] = {}
+        self._failures: dict[RequestId, int] = {}
+        self.last_error: Exception | None = None
 
-    def submit(self, prompt_token_ids: Sequence[int], generation: GreedyGenerationConfig) -> RequestId:
-        """Queue a request; returns its id."""
-        request_id = self.scheduler.submit(prompt_token_ids, generation)
-        self._requests[request_id] = ([int(t) for t in prompt_token_ids], make_picker(generation))
+    def submit(self, prompt_token_ids: Sequence[int], generation: GreedyGenerationConfig,
+               detokenizer: IncrementalDetokenizer | None = None) -> RequestId:
+        """Queue a request; returns its id. With a `detokenizer` its text streams in the deltas (and stop strings
+        apply)."""
+        request_id = self.scheduler.submit(prompt_token_ids, generation, detokenizer)
+        self._pickers[request_id] = make_picker(generation)
         return request_id
 
-    def step(self) -> list[FinishedRequest]:
-        """Run one batch (if there is work); the requests it finished."""
+    def abort(self, request_id: RequestId) -> bool:
+        """Stop a request now (see ContinuousBatchScheduler.abort)."""
+        return self.scheduler.abort(request_id)
+
+    def step(self) -> list[TokenDelta]:
+        """Run one batch (if there is work); the tokens it generated, with their text."""
         batch = self.scheduler.schedule()
         if batch is None:
-            if self._requests:
-                raise GenerationError("the scheduler has unfinished requests but nothing to run")
             return []
         try:
             for src, dst in batch.copies:
                 self.model.copy_page(self.cache, src, dst)
-            rows = [(seq.token_ids, seq.start_position, seq.page_table, self._slot(seq.request_id))
-                    for seq in batch.sequences]
+            rows = [(seq.token_ids, seq.start_position, seq.page_table, seq.slot) for seq in batch.sequences]
             logits = self.model.step(rows, self.cache)
-        except Exception:
-            self.scheduler.fail_batch(batch.id)
-            raise
-        tokens = []
-        for seq, row_logits in zip(batch.sequences, logits):
-            history, pick = self._requests[seq.request_id]
-            if seq.context_length < len(history):
-                tokens.append(0)  # a non-final prefill chunk: the scheduler discards its token, so draw nothing
-            else:
-                tokens.append(pick(row_logits, history))
-                history.append(tokens[-1])
+        except Exception as error:  # noqa: BLE001 -- any failure of the device step: recover, keep serving
+            self._recover(batch, error)
+            return []
+        final = [i for i, seq in enumerate(batch.sequences) if seq.final]  # a non-final chunk's token is discarded
+        ids = [batch.sequences[i].request_id for i in final]
+        tokens = [0] * len(batch.sequences)
+        picked = pick_tokens(logits[final], [self._pickers[r] for r in ids],
+                             [self.scheduler.request_state(r).tokens for r in ids]) if final else []
+        for i, token in zip(final, picked):
+            tokens[i] = token
         self.scheduler.complete_batch(batch.id, tokens)
+        return self.scheduler.pop_deltas()
+
+    def pop_finished(self) -> list[FinishedRequest]:
+        """The requests finished since the last call."""
         finished = self.scheduler.pop_finished()
         for request in finished:
-            del self._requests[request.request_id]
-            self._release_slot(request.request_id)
+            del self._pickers[request.request_id]
+            self._failures.pop(request.request_id, None)
         return finished
-
-    def _slot(self, request_id: RequestId) -> int:
-        """The request's recurrent-state slot (kept while it runs; a preempted request restarts from position 0,
-        so its slot may go to another request meanwhile)."""
-        if request_id not in self._slot_of:
-            if not self._free_slots:
-                running = set(self.scheduler.running_request_ids())
-                for stale in [r for r in self._slot_of if r not in running]:
-                    self._release_slot(stale)
-            self._slot_of[request_id] = self._free_slots.pop()
-        return self._slot_of[request_id]
-
-    def _release_slot(self, request_id: RequestId) -> None:
-        if request_id in self._slot_of:
-            self._free_slots.append(self._slot_of.pop(request_id))
 
     def run(self) -> Iterator[FinishedRequest]:
         """Run batches until every submitted request has finished, yielding each as it finishes."""
-        while self._requests:
-            yield from self.step()
+        while self.scheduler.has_unfinished():
+            self.step()
+            yield from self.pop_finished()
+        yield from self.pop_finished()
+
+    def _recover(self, batch, error: Exception) -> None:
+        """After a failed step: undo the batch, rebuild the device cache (its state may be half-written), let every
+        running request recompute, and stop the batch's requests that keep failing."""
+        self.last_error = error
+        self.scheduler.fail_batch(batch.id)
+        self.cache = self.model.new_batch_cache()
+        self.scheduler.reset_cache()
+        for seq in batch.sequences:
+            self._failures[seq.request_id] = self._failures.get(seq.request_id, 0) + 1
+            if self._failures[seq.request_id] >= self.MAX_FAILURES:
+                self.scheduler.abort(seq.request_id, "error")

@@ -19,6 +19,7 @@ from ir.contract import (
     MODULE,
     ArtifactError,
     Buckets,
+    InputSpec,
     build_command,
     config_hash,
     default_artifact_dir,
@@ -27,14 +28,14 @@ from ir.contract import (
     verify_files,
 )
 from ir.cpu_features import missing_host_features
+from ir.graph import PAGED_KV_ROLES, RECURRENT_ROLES
 from ir.errors import RudaError
 from .cpu import enable_amx, use_all_cores
-from .weights import load_tensors
+from .weights import load_params
 
 TARGETS = {"cpu": "llvm", "cuda": "cuda"}
 PAGED_ATTENTION_ENV = "RUDA_PAGED_ATTENTION"
 ATTENTION_PATHS = {"fused": "step", "legacy": "gather"}  # RUDA_PAGED_ATTENTION -> batched step functions
-use_all_cores()
 
 
 class GenerationError(RudaError):
@@ -47,7 +48,7 @@ class GenerationError(RudaError):
 class BatchCache:
     """Batched-execution state: KV pages of attention layers, recurrent-state slots of linear-attention layers."""
 
-    names: list[str]
+    specs: list[InputSpec]
     tensors: list[tvm.runtime.Tensor]
     attention: str
     """'fused' (paged attention reads the page tables) or 'legacy' (each row's history gathered first)."""
@@ -109,6 +110,8 @@ class CompiledModel:
         if not self.device.exist:
             raise GenerationError("--device cuda: no CUDA GPU is visible on this machine; run on a machine with an "
                                   "NVIDIA GPU and driver, or use --device cpu")
+        if device == "cpu":
+            use_all_cores()  # before the first parallel kernel starts TVM's thread pool
         self.model_dir = Path(model_dir)
         raw, self.config, entries, dtypes = models.load_checkpoint(model_dir)
         if artifact is not None and not isinstance(artifact, (str, os.PathLike)):
@@ -125,8 +128,7 @@ class CompiledModel:
         except Exception as e:  # TVM raises bare errors for a module it cannot load
             raise ArtifactError(f"{self.artifact / MODULE} cannot be loaded ({_last_line(e)}); rebuild: {rebuild}") \
                 from None
-        names = [p.name for p in self.manifest.params]
-        self._params = tvm_ffi.Array(load_tensors(entries, names, self.device))
+        self._params = tvm_ffi.Array(load_params(entries, self.manifest.params, self.device))
         self.prefill_buckets = self.manifest.buckets.prefill_tokens
         self.context_buckets = self.manifest.buckets.context
         self.load_seconds = time.perf_counter() - start
@@ -151,8 +153,8 @@ class CompiledModel:
         if m.model_code_hash != source_hash(MODEL_PACKAGES):
             raise ArtifactError(f"{self.artifact} was built by another version of the model code (ir/, models/); "
                                 f"rebuild: {rebuild}")
-        changed = [f"{p.name} is {dtypes.get(p.name)} here, {p.dtype} in the artifact" for p in m.params
-                   if dtypes.get(p.name) != p.dtype]
+        changed = [f"{name} is {dtypes.get(name)} here, {dtype} in the artifact" for p in m.params
+                   for name, dtype in zip(p.sources, p.source_dtypes) if dtypes.get(name) != dtype]
         if changed:
             raise ArtifactError(f"{self.artifact} was built for other weights ({changed[0]}); rebuild: {rebuild}")
         if self.target == "cuda":
@@ -200,13 +202,25 @@ class CompiledModel:
                                   "the request or rebuild with a larger --context-buckets (up to "
                                   f"max_position_embeddings {self.config.max_position_embeddings})")
         tensors = []
-        for entry in self.manifest.cache:
-            shape = tuple(fitting[0] if d == CONTEXT else d for d in entry.shape)
-            if CONTEXT in entry.shape:  # KV rows are written before they are read
-                tensors.append(tvm.runtime.empty(shape, entry.dtype, self.device))
-            else:  # recurrent state starts at zero
-                tensors.append(tvm.runtime.tensor(np.zeros(shape, entry.dtype), self.device))
+        for spec in self._states("decode"):
+            shape = tuple(fitting[0] if d == CONTEXT else d for d in spec.shape)
+            if spec.role in RECURRENT_ROLES:  # recurrent state starts at zero
+                tensors.append(tvm.runtime.tensor(np.zeros(shape, spec.dtype), self.device))
+            else:  # KV rows are written before they are read
+                tensors.append(tvm.runtime.empty(shape, spec.dtype, self.device))
         return KVCache(tensors, fitting[0])
+
+    def _states(self, entry: str) -> list[InputSpec]:
+        """The state inputs of an entry (caches, pages, recurrent states), in call order."""
+        return [spec for spec in self.manifest.inputs[entry] if spec.is_state]
+
+    def _call(self, function: str, entry: str, values: dict, states: list) -> tvm.runtime.Tensor:
+        """Run a VM function of `entry` with its non-state inputs taken by role from `values` (arrays become device
+        tensors) and its state tensors in order."""
+        state = iter(states)
+        args = [next(state) if spec.is_state else values[spec.role] for spec in self.manifest.inputs[entry]]
+        args = [tvm.runtime.tensor(a, self.device) if isinstance(a, np.ndarray) else a for a in args]
+        return self._functions[function](*args, self._params)
 
     def forward(self, token_ids: list[int], cache: KVCache) -> np.ndarray:
         """Append tokens to the sequence in `cache`; the logits after the last one (float32, vocab)."""
@@ -219,13 +233,13 @@ class CompiledModel:
         if bad:
             raise GenerationError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.config.vocab_size - 1})")
         if len(token_ids) == 1:
-            return self._run(f"decode_c{cache.capacity}", token_ids, 1, cache)
+            return self._run("decode", f"decode_c{cache.capacity}", token_ids, 1, cache)
         done, logits = 0, None
         while done < len(token_ids):
             rest = len(token_ids) - done
             chunk = prefill_chunk(rest, [t for t in self.prefill_buckets if t <= cache.capacity])
             part = token_ids[done:done + chunk]
-            logits = self._run(f"prefill_t{chunk}_c{cache.capacity}", part, chunk, cache)
+            logits = self._run("prefill", f"prefill_t{chunk}_c{cache.capacity}", part, chunk, cache)
             done += len(part)
         return logits
 
@@ -245,20 +259,29 @@ class CompiledModel:
     def new_batch_cache(self) -> "BatchCache":
         """The state of batched execution: KV pages of every attention layer (all pages reserved now) and the
         recurrent-state slots of linear-attention layers. Its attention path comes from RUDA_PAGED_ATTENTION now."""
-        self.batch_layout()
-        choice = os.environ.get(PAGED_ATTENTION_ENV) or "legacy"
+        b = self.batch_layout()
+        choice = os.environ.get(PAGED_ATTENTION_ENV) or "fused"
         if choice not in ATTENTION_PATHS:
             raise GenerationError(f"{PAGED_ATTENTION_ENV}={choice!r} is not valid; use 'fused' (paged attention over "
-                                  "the KV arena) or 'legacy' (history gathered first), or leave it unset (legacy)")
-        names = [entry.name for entry in self.manifest.batch_state]
-        tensors = [tvm.runtime.empty(tuple(e.shape), e.dtype, self.device) for e in self.manifest.batch_state]
-        return BatchCache(names, tensors, choice)
+                                  "the KV arena) or 'legacy' (history gathered first), or leave it unset (fused)")
+        if choice == "legacy" and not b.legacy_attention:
+            options = self.manifest.build_options + ("--legacy-paged-attention",)
+            raise GenerationError(f"{PAGED_ATTENTION_ENV}=legacy: {self.artifact} has no legacy attention path; "
+                                  f"rebuild with --legacy-paged-attention: "
+                                  f"{build_command(self.model_dir, self.target, self.artifact, options)}")
+        specs = self._states("step")
+        return BatchCache(specs, [tvm.runtime.empty(tuple(s.shape), s.dtype, self.device) for s in specs], choice)
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Whether a sequence's state is more than its KV pages (recurrent layers: conv and recurrent states)."""
+        return any(spec.role in RECURRENT_ROLES for spec in self.manifest.inputs.get("step", ()))
 
     def copy_page(self, cache: "BatchCache", src: int, dst: int) -> None:
         """Copy one KV page of every attention layer (copy-on-write of a shared prefix page), on the device."""
         cache.check()
-        for name, tensor in zip(cache.names, cache.tensors):
-            if name.startswith(("k_pages.", "v_pages.")):
+        for spec, tensor in zip(cache.specs, cache.tensors):
+            if spec.role in PAGED_KV_ROLES:
                 page_shape = tuple(tensor.shape[1:])
                 page_bytes = int(np.prod(page_shape)) * np.dtype(tensor.dtype).itemsize
                 views = [tensor._create_view(page_shape, tensor.dtype, relative_byte_offset=p * page_bytes)
@@ -273,10 +296,10 @@ class CompiledModel:
         block, width = b.kv_block, b.pages_per_row
         total = sum(len(ids) for ids, *_ in rows)
         row_bucket = next((r for r in b.batch_rows if r >= len(rows)), None)
-        tokens = next((t for t in b.prefill_tokens if t >= max(total, row_bucket or 0)), None)
+        tokens = next((t for t in b.step_tokens if t >= max(total, row_bucket or 0)), None)
         if tokens is None or row_bucket is None:
             raise GenerationError(f"a batch of {len(rows)} sequences and {total} tokens exceeds the built batch steps "
-                                  f"(rows {list(b.batch_rows)}, tokens {list(b.prefill_tokens)})")
+                                  f"(rows {list(b.batch_rows)}, tokens {list(b.step_tokens)})")
         bad_slot = [slot for *_, slot in rows if not 0 <= slot < b.batch_rows[-1]]
         if bad_slot:
             raise GenerationError(f"state slots {bad_slot} are outside 0..{b.batch_rows[-1] - 1}")
@@ -297,23 +320,22 @@ class CompiledModel:
             last[r] = at - 1
         if (ids >= self.config.vocab_size).any() or (ids < 0).any():
             raise GenerationError(f"token ids are outside the vocabulary (0..{self.config.vocab_size - 1})")
-        values = {"ids": ids, "pos_of": pos_of, "row_of": row_of, "slots": slots, "block_table": table, "last": last,
-                  "n": total, "seq_start": seq_start, "seq_len": seq_len, "seq_pos": seq_pos, "seq_slot": seq_slot}
-        inputs = [v if isinstance(v, int) else tvm.runtime.tensor(v, self.device)
-                  for v in (values[name] for name in self.manifest.step_inputs)]
+        values = {"token_ids": ids, "token_positions": pos_of, "token_rows": row_of, "kv_slots": slots,
+                  "block_table": table, "last_tokens": last, "token_count": total, "seq_start": seq_start,
+                  "seq_len": seq_len, "seq_pos": seq_pos, "seq_slot": seq_slot}
         function = f"{ATTENTION_PATHS[cache.attention]}_t{tokens}_r{row_bucket}"
         try:
-            out = self._functions[function](*inputs, *cache.tensors, self._params)
+            out = self._call(function, "step", values, cache.tensors)
         except Exception as e:
             cache.valid = False
             raise GenerationError(f"the batched step failed ({e}); its KV pages and states may be half-written, so "
                                   "this batch cache can no longer be used: create a new one with new_batch_cache()") from e
         return out.numpy()[:len(rows)]
 
-    def _run(self, function: str, ids: list[int], padded: int, cache: KVCache) -> np.ndarray:
+    def _run(self, entry: str, function: str, ids: list[int], padded: int, cache: KVCache) -> np.ndarray:
         buf = np.zeros(padded, dtype=np.int32)
         buf[:len(ids)] = ids
-        out = self._functions[function](tvm.runtime.tensor(buf, self.device), cache.length, len(ids),
-                                        *cache.tensors, self._params)
+        values = {"token_ids": buf, "start_position": cache.length, "token_count": len(ids)}
+        out = self._call(function, entry, values, cache.tensors)
         cache.length += len(ids)
         return out.numpy()[0]

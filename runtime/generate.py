@@ -12,6 +12,7 @@ prompt as it finishes, then a `summary` line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -97,6 +98,8 @@ def _read_prompts(path: str) -> list[str]:
 def _serve_batch(pipeline, prompts: list[str], config) -> None:
     """Serve every prompt at once through the batch executor, printing each result as it finishes."""
     from .batching import BatchExecutor
+    from .engine import GenerationError
+    from .request import IncrementalDetokenizer
     from .scheduler import ContinuousBatchConfig
 
     model = pipeline.model
@@ -106,19 +109,24 @@ def _serve_batch(pipeline, prompts: list[str], config) -> None:
     buckets = model.batch_layout()
     executor = BatchExecutor(model, ContinuousBatchConfig(buckets.batch_rows[-1], buckets.prefill_tokens[-1]),
                              default_eos_token_ids=pipeline.default_eos_token_ids)
-    index = {executor.submit(ids, config): i for i, ids in enumerate(encoded)}
-    start, generated = time.perf_counter(), 0
+    index = {executor.submit(ids, config, IncrementalDetokenizer(pipeline.tokenizer.decode, True)): i
+             for i, ids in enumerate(encoded)}
+    start, generated, failed = time.perf_counter(), 0, 0
     for done in executor.run():
         i = index[done.request_id]
         generated += len(done.generated_token_ids)
-        text = pipeline.decode(done.generated_token_ids, skip_special_tokens=True)
-        print(json.dumps({"event": "result", "index": i, "prompt": prompts[i], "text": prompts[i] + text,
-                          "generated_text": text, "generated_token_ids": done.generated_token_ids,
+        failed += done.finish_reason == "error"
+        print(json.dumps({"event": "result", "index": i, "prompt": prompts[i], "text": prompts[i] + done.text,
+                          "generated_text": done.text, "generated_token_ids": done.generated_token_ids,
                           "prompt_token_ids": done.prompt_token_ids, "finish_reason": done.finish_reason,
                           "stopped_on_eos": done.finish_reason == "eos"}), flush=True)
     seconds = time.perf_counter() - start
     print(json.dumps({"event": "summary", "requests": len(prompts), "generated_tokens": generated,
-                      "seconds": round(seconds, 3), "generated_tokens_per_s": round(generated / seconds, 2)}))
+                      "seconds": round(seconds, 3), "generated_tokens_per_s": round(generated / seconds, 2),
+                      "scheduler": dataclasses.asdict(executor.scheduler.stats)}))
+    if failed:
+        raise GenerationError(f"{failed} of {len(prompts)} prompts failed (finish_reason \"error\"): "
+                              f"{executor.last_error}")
 
 
 if __name__ == "__main__":

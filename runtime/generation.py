@@ -6,7 +6,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from .engine import CompiledModel
+from .engine import CompiledModel, GenerationError
+from .request import IncrementalDetokenizer, RequestState
 from .sampling import GreedyGenerationConfig, make_picker
 
 
@@ -18,7 +19,7 @@ class GeneratedTokens:
     generated_token_ids: list[int]
     stopped_on_eos: bool
     finish_reason: str
-    """"eos", "length" (max_new_tokens reached) or "stop_string"."""
+    """One of runtime.request.FINISH_REASONS."""
     prefill_seconds: float
     decode_seconds: float
 
@@ -26,53 +27,52 @@ class GeneratedTokens:
 class TokenStream:
     """Iterates the new token ids of one request; afterwards `result()` describes the whole run.
 
-    EOS ids are `config.eos_token_ids`, or `default_eos` when the config leaves them None. A
-    generated EOS id ends the stream and is its last item.
+    EOS ids are `config.eos_token_ids`, or `default_eos` when the config leaves them None. The request's
+    RequestState (`state`) decides when it stops; a generated EOS id is the stream's last item. With a
+    `detokenizer`, `state.text` grows with the reply (and stop strings apply).
     """
 
     def __init__(self, model: CompiledModel, prompt_ids: Sequence[int], config: GreedyGenerationConfig,
-                 default_eos: Sequence[int] = ()):
+                 default_eos: Sequence[int] = (), detokenizer: IncrementalDetokenizer | None = None):
         self.model = model
-        self.prompt_ids = [int(t) for t in prompt_ids]
         self.config = config
-        self.eos = set(config.eos_token_ids if config.eos_token_ids is not None else default_eos)
-        model.check_request(len(self.prompt_ids), config.max_new_tokens)
-        self.cache = model.new_cache(len(self.prompt_ids) + config.max_new_tokens)
-        self.generated: list[int] = []
-        self.finish_reason: str | None = None
+        prompt = [int(t) for t in prompt_ids]
+        model.check_request(len(prompt), config.max_new_tokens)
+        if config.stop_strings and detokenizer is None:
+            raise GenerationError("stop_strings need the reply's text: generate text through the pipeline "
+                                  "(generate_text / stream_text)")
+        eos = config.eos_token_ids if config.eos_token_ids is not None else default_eos
+        self.state = RequestState(prompt, config.max_new_tokens, eos, model.max_context, config.stop_strings,
+                                  detokenizer)
+        self.cache = model.new_cache(len(prompt) + config.max_new_tokens)
         self.prefill_seconds = self.decode_seconds = 0.0
+
+    @property
+    def generated(self) -> list[int]:
+        """The tokens generated so far."""
+        return self.state.generated
 
     def __iter__(self) -> Iterator[int]:
         pick = make_picker(self.config)
-        history = list(self.prompt_ids)  # what repetition penalties look at: prompt and reply so far
         start = time.perf_counter()
-        logits = self.model.forward(self.prompt_ids, self.cache)
-        token = pick(logits, history)
+        logits = self.model.forward(self.state.prompt, self.cache)
+        token = pick(logits, self.state.tokens)  # repetition penalties look at the prompt and the reply so far
         self.prefill_seconds = time.perf_counter() - start
         while True:
-            self.generated.append(token)
-            history.append(token)
-            if token in self.eos:
-                self.finish_reason = "eos"
-            elif len(self.generated) >= self.config.max_new_tokens:
-                self.finish_reason = "length"
+            self.state.append(token)
             yield token
-            if self.finish_reason is not None:
+            if self.state.finish_reason is not None:
                 return
             start = time.perf_counter()
             logits = self.model.forward([token], self.cache)
-            token = pick(logits, history)
+            token = pick(logits, self.state.tokens)
             self.decode_seconds += time.perf_counter() - start
-
-    def stop(self, reason: str) -> None:
-        """End the stream early (e.g. a stop string appeared) for `reason`, unless it already ended."""
-        if self.finish_reason is None:
-            self.finish_reason = reason
 
     def result(self) -> GeneratedTokens:
         """What was generated so far."""
-        return GeneratedTokens(self.prompt_ids, list(self.generated), self.finish_reason == "eos",
-                               self.finish_reason or "length", self.prefill_seconds, self.decode_seconds)
+        reason = self.state.finish_reason
+        return GeneratedTokens(self.state.prompt, self.state.generated, reason == "eos", reason or "length",
+                               self.prefill_seconds, self.decode_seconds)
 
 
 def generate(model: CompiledModel, prompt_ids: Sequence[int], config: GreedyGenerationConfig,

@@ -13,6 +13,7 @@ from models.config import read_config_json
 from .chat_template import ChatMessage, ChatTemplate
 from .engine import CompiledModel, GenerationError
 from .generation import TokenStream
+from .request import IncrementalDetokenizer
 from .sampling import GenerationConfigError, GreedyGenerationConfig, SamplingGenerationConfig
 from .tokenizer import Tokenizer, default_eos_token_ids
 
@@ -42,57 +43,21 @@ class TextStream:
 
     def __init__(self, pipeline: "Pipeline", prompt: str, config: GreedyGenerationConfig,
                  add_special_tokens: bool, skip_special_tokens: bool):
-        self._pipeline = pipeline
         self._prompt = prompt
         self._tokens = TokenStream(pipeline.model, pipeline.encode(prompt, add_special_tokens), config,
-                                   pipeline.default_eos_token_ids)
-        self._detokenizer = IncrementalDetokenizer(pipeline.tokenizer.decode, skip_special_tokens)
-        self._stops = config.stop_strings
+                                   pipeline.default_eos_token_ids,
+                                   IncrementalDetokenizer(pipeline.tokenizer.decode, skip_special_tokens))
         self.result: GeneratedText | None = None
 
     def __iter__(self) -> Iterator[str]:
-        emitted = ""
+        state, shown = self._tokens.state, 0
         for _ in self._tokens:
-            delta = self._detokenizer.step(self._tokens.generated)
-            if delta:
-                emitted += delta
-                if any(s in emitted for s in self._stops):
-                    self._tokens.stop("stop_string")
-                yield delta
-        delta = self._detokenizer.flush(self._tokens.generated)
-        if delta:
-            emitted += delta
-            yield delta
+            if len(state.text) > shown:
+                yield state.text[shown:]
+                shown = len(state.text)
         r = self._tokens.result()
-        self.result = GeneratedText(self._prompt + emitted, emitted, r.generated_token_ids, r.prompt_token_ids,
+        self.result = GeneratedText(self._prompt + state.text, state.text, r.generated_token_ids, r.prompt_token_ids,
                                     r.stopped_on_eos, r.finish_reason, r.prefill_seconds, r.decode_seconds)
-
-
-class IncrementalDetokenizer:
-    """Text deltas of a growing token list, decoding only its last few tokens each step (not the whole reply).
-
-    Each step decodes tokens[prefix:] and tokens[prefix:read] (the earlier tokens give the decoder its
-    context, e.g. for leading spaces) and emits what the new tokens add, once it is whole characters.
-    """
-
-    def __init__(self, decode, skip_special_tokens: bool):
-        self._decode = lambda ids: decode(ids, skip_special_tokens=skip_special_tokens)
-        self._prefix = self._read = 0
-
-    def step(self, tokens: list[int]) -> str:
-        """The text the tokens after the last emitted ones add ('' while they end inside a character)."""
-        before = self._decode(tokens[self._prefix:self._read])
-        text = self._decode(tokens[self._prefix:])
-        if len(text) <= len(before) or text.endswith("\ufffd") or not text.startswith(before):
-            return ""
-        self._prefix, self._read = self._read, len(tokens)
-        return text[len(before):]
-
-    def flush(self, tokens: list[int]) -> str:
-        """Whatever is left at the end, even an incomplete character."""
-        before = self._decode(tokens[self._prefix:self._read])
-        text = self._decode(tokens[self._prefix:])
-        return text[len(before):] if len(text) > len(before) and text.startswith(before) else ""
 
 
 class Pipeline:

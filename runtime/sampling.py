@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -101,36 +101,66 @@ def apply_repetition_penalty(logits: np.ndarray, context: Sequence[int], penalty
 
 def filtered_distribution(logits: np.ndarray, sampling: SamplingConfig) -> np.ndarray:
     """Probabilities after temperature, then top-k (ties at the boundary kept), then top-p; zeros elsewhere."""
-    scaled = logits.astype(np.float64) / sampling.temperature
+    return filtered_distributions(logits[None], [sampling])[0]
+
+
+def filtered_distributions(logits: np.ndarray, settings: Sequence[SamplingConfig]) -> np.ndarray:
+    """filtered_distribution of each row of `logits` (rows x vocab) with its own settings, computed for all rows
+    at once in float64 (each row's numbers are those it gets alone)."""
+    rows, vocab = logits.shape
+    temperature = np.array([s.temperature for s in settings], np.float64)
+    top_k = np.array([s.top_k for s in settings], np.int64)
+    top_p = np.array([s.top_p for s in settings], np.float64)
+    scaled = logits.astype(np.float64) / temperature[:, None]
     keep = np.isfinite(scaled)
-    if 0 < sampling.top_k < scaled.size:
-        kth = np.partition(scaled, scaled.size - sampling.top_k)[scaled.size - sampling.top_k]
-        keep &= scaled >= kth
-    probs = np.where(keep, np.exp(scaled - scaled[keep].max()), 0.0)
-    probs /= probs.sum()
-    if sampling.top_p < 1.0:
-        order = np.lexsort((np.arange(probs.size), -probs))  # descending probability, lower id first
-        mass_before = np.cumsum(probs[order]) - probs[order]
-        dropped = order[mass_before >= sampling.top_p]
-        probs[dropped] = 0.0
-        probs /= probs.sum()
+    limited = (0 < top_k) & (top_k < vocab)
+    if limited.any():  # the k-th largest of a row, as np.partition finds it
+        kth = np.sort(scaled[limited], axis=1)[np.arange(limited.sum()), vocab - top_k[limited]]
+        keep[limited] &= scaled[limited] >= kth[:, None]
+    peak = np.where(keep, scaled, -np.inf).max(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", over="ignore"):
+        probs = np.where(keep, np.exp(scaled - peak), 0.0)
+    probs /= probs.sum(axis=1, keepdims=True)
+    nucleus = top_p < 1.0
+    if nucleus.any():
+        part = probs[nucleus]
+        order = np.argsort(-part, axis=1, kind="stable")  # descending probability, lower id first
+        ranked = np.take_along_axis(part, order, axis=1)
+        mass_before = np.cumsum(ranked, axis=1) - ranked
+        np.put_along_axis(part, order, np.where(mass_before >= top_p[nucleus][:, None], 0.0, ranked), axis=1)
+        probs[nucleus] = part / part.sum(axis=1, keepdims=True)
     return probs
 
 
-TokenPicker = Callable[[np.ndarray, Sequence[int]], int]
+class TokenPicker:
+    """One request's next-token rule: argmax for greedy, a draw from its own seeded generator for sampling."""
+
+    def __init__(self, config: GreedyGenerationConfig):
+        self.config = config
+        self.sampling = config.sampling if isinstance(config, SamplingGenerationConfig) else None
+        self.rng = np.random.default_rng(self.sampling.seed) if self.sampling else None
+
+    def __call__(self, logits: np.ndarray, context: Sequence[int]) -> int:
+        """The next token after one row of logits."""
+        return pick_tokens(logits[None], [self], [context])[0]
 
 
 def make_picker(config: GreedyGenerationConfig) -> TokenPicker:
-    """The next-token rule of a config: argmax for greedy, a seeded draw for sampling (one generator per request)."""
-    penalty = config.repetition_penalty
-    if not isinstance(config, SamplingGenerationConfig):
-        return lambda logits, context: int(np.argmax(apply_repetition_penalty(logits, context, penalty)))
-    sampling = config.sampling
-    rng = np.random.default_rng(sampling.seed)
+    """The next-token rule of a config (one generator per request)."""
+    return TokenPicker(config)
 
-    def draw(logits: np.ndarray, context: Sequence[int]) -> int:
-        probs = filtered_distribution(apply_repetition_penalty(logits, context, penalty), sampling)
-        cdf = np.cumsum(probs)
-        return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), probs.size - 1))
 
-    return draw
+def pick_tokens(logits: np.ndarray, pickers: Sequence[TokenPicker], contexts: Sequence[Sequence[int]]) -> list[int]:
+    """The next token of each row of `logits` (rows x vocab) by its request's picker, given the tokens the request
+    has so far (for repetition penalties): greedy rows by one argmax, sampled rows by one vectorised filtering and
+    one uniform draw each from their own generators, so every row gets the token it would get alone."""
+    logits = np.stack([apply_repetition_penalty(row, context, picker.config.repetition_penalty)
+                       for row, picker, context in zip(logits, pickers, contexts)])
+    tokens = np.argmax(logits, axis=1)
+    sampled = [i for i, picker in enumerate(pickers) if picker.sampling]
+    if sampled:
+        probs = filtered_distributions(logits[sampled], [pickers[i].sampling for i in sampled])
+        cdf = np.cumsum(probs, axis=1)
+        target = np.array([pickers[i].rng.random() for i in sampled]) * cdf[:, -1]
+        tokens[sampled] = np.minimum((cdf <= target[:, None]).sum(axis=1), probs.shape[1] - 1)
+    return [int(t) for t in tokens]

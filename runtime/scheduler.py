@@ -6,11 +6,8 @@ positions [start_position, context_length) through its page table, and reports o
 complete_batch(), or calls fail_batch().
 
 Paged KV: positions [i * block_size, (i + 1) * block_size) of a sequence live in physical page page_table[i].
-A full page is indexed by a hash of its tokens chained with the previous page's hash (vLLM's prefix caching), so
-a request whose prompt starts with the same full pages as a live request shares those pages (reference counted)
-and starts its prefill after them. Shared pages are never written: a row that would write into one gets a fresh
-copy instead (copy-on-write, reported in ScheduledBatch.copies). A page returns to the pool when its last user
-finishes or is preempted.
+Full pages are indexed by content (a prefix cache that outlives the requests; see ContinuousBatchScheduler).
+Each request's tokens, text and finish decision live in its runtime.request.RequestState.
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ from typing import NewType
 
 from ir.errors import RudaError
 
+from .request import IncrementalDetokenizer, RequestState
 from .sampling import GreedyGenerationConfig
 
 RequestId = NewType("RequestId", int)
@@ -88,7 +86,8 @@ class PagedKvCacheConfig:
 
 
 class BatchKind(enum.Enum):
-    """A batch is all prompt (re)computation or all single-token decodes."""
+    """DECODE: every row is the one new token of a prefilled sequence. PREFILL: some row (re)computes prompt or
+    recomputed tokens; decode rows of running sequences ride along in the same batch."""
 
     PREFILL = "prefill"
     DECODE = "decode"
@@ -96,13 +95,19 @@ class BatchKind(enum.Enum):
 
 @dataclass(frozen=True)
 class ScheduledSequence:
-    """One row: feed token_ids at positions start_position..; the cache then holds context_length tokens."""
+    """One row: feed token_ids at positions start_position..; the cache then holds context_length tokens.
+
+    `final`: the row reaches the request's last token, so its next token is generated (else it is a non-final
+    prefill chunk, whose token the scheduler discards). `slot`: the request's recurrent-state slot while it runs.
+    """
 
     request_id: RequestId
     token_ids: list[int]
     start_position: int
     context_length: int
     page_table: list[int]
+    final: bool = True
+    slot: int = 0
 
 
 @dataclass(frozen=True)
@@ -136,42 +141,86 @@ class ScheduledBatch:
 
 @dataclass(frozen=True)
 class FinishedRequest:
-    """A finished request; finish_reason is "eos" (the EOS token is the last generated one) or "length"."""
+    """A finished request and why it stopped (runtime.request.FINISH_REASONS); with eos, the EOS token is the last
+    generated one. `text` is the reply's text when the request was given a detokenizer."""
 
     request_id: RequestId
     prompt_token_ids: list[int]
     generated_token_ids: list[int]
     finish_reason: str
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """One generated token of one request, the text it added, and the finish reason if it ended the request."""
+
+    request_id: RequestId
+    token_id: int
+    text: str
+    finish_reason: str | None
+
+
+@dataclass
+class SchedulerStats:
+    """What the scheduler has done (events of batches that later failed included)."""
+
+    batches: int = 0
+    mixed_batches: int = 0
+    """batches with both prefill and decode rows"""
+    preemptions: int = 0
+    prefix_hit_pages: int = 0
+    """full pages an admitted request took from the prefix cache instead of computing them"""
+    copy_on_write: int = 0
+    evicted_pages: int = 0
+    """cached prefix pages given to another use because no plain free page was left"""
+    aborted: int = 0
+    cache_resets: int = 0
 
 
 class _PagePool:
-    """Physical pages: a free list, reference counts, and the index of full pages by chained content hash."""
+    """Physical pages: reference counts, the index of full pages by chained content hash, and the pages no request
+    holds. Those are plain free pages, or cached ones (prefix cache): indexed pages whose last user left, kept with
+    their content until a page is needed and no plain one is left, least recently released first."""
 
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, stats: SchedulerStats):
         self.free = list(range(num_pages - 1, -1, -1))  # pop() hands out low page ids first
+        self.cached: dict[int, None] = {}  # least recently released first
         self.refcount = [0] * num_pages
         self.digest_of: list[bytes | None] = [None] * num_pages
         self.page_of: dict[bytes, int] = {}
+        self._stats = stats
+
+    @property
+    def available(self) -> int:
+        """Pages no request holds."""
+        return len(self.free) + len(self.cached)
 
     def allocate(self) -> int:
-        """A free page, now with one user."""
-        page = self.free.pop()
+        """A page for new content, now with one user: a plain free page, else the least recently cached one."""
+        if self.free:
+            page = self.free.pop()
+        else:
+            page = next(iter(self.cached))
+            del self.cached[page]
+            self.unindex(page)
+            self._stats.evicted_pages += 1
         self.refcount[page] = 1
         return page
 
     def share(self, page: int) -> None:
-        """One more user of an allocated page."""
+        """One more user of an indexed page (held or cached)."""
+        self.cached.pop(page, None)
         self.refcount[page] += 1
 
     def release(self, page: int) -> None:
-        """One user fewer; the last one returns the page to the pool and drops it from the index."""
+        """One user fewer; the last one returns the page to the cache (if indexed) or the free list."""
         self.refcount[page] -= 1
         if self.refcount[page] == 0:
-            digest = self.digest_of[page]
-            if digest is not None:
-                del self.page_of[digest]
-                self.digest_of[page] = None
-            self.free.append(page)
+            if self.digest_of[page] is None:
+                self.free.append(page)
+            else:
+                self.cached[page] = None
 
     def register(self, page: int, digest: bytes) -> None:
         """Index a full page under its content hash, unless that hash or page is indexed already."""
@@ -179,35 +228,44 @@ class _PagePool:
             self.page_of[digest] = page
             self.digest_of[page] = digest
 
+    def unindex(self, page: int) -> None:
+        """Forget a page's content (a cached page becomes plain free)."""
+        digest = self.digest_of[page]
+        if digest is not None:
+            del self.page_of[digest]
+            self.digest_of[page] = None
+            if page in self.cached:
+                del self.cached[page]
+                self.free.append(page)
+
     def snapshot(self) -> tuple:
         """The pool state as comparable tuples."""
-        return tuple(self.free), tuple(self.refcount), tuple(self.digest_of)
+        return tuple(self.free), tuple(self.cached), tuple(self.refcount), tuple(self.digest_of)
 
     def restore(self, snapshot: tuple) -> None:
         """Go back to a snapshot()."""
-        free, refcount, digest_of = snapshot
+        free, cached, refcount, digest_of = snapshot
         self.free, self.refcount, self.digest_of = list(free), list(refcount), list(digest_of)
+        self.cached = dict.fromkeys(cached)
         self.page_of = {digest: page for page, digest in enumerate(digest_of) if digest is not None}
 
 
 class _Request:
-    """A request's tokens (prompt + generated) and its scheduling progress."""
+    """A request's state (tokens, text, finish decision) and its scheduling progress."""
 
-    def __init__(self, request_id: RequestId, prompt: list[int], max_new_tokens: int, eos: frozenset[int]):
+    def __init__(self, request_id: RequestId, state: RequestState):
         self.id = request_id
-        self.num_prompt = len(prompt)
-        self.tokens = list(prompt)
-        self.max_new_tokens = max_new_tokens
-        self.eos = eos
+        self.state = state
         self.pages: list[int] = []  # physical pages for positions [0, len(pages) * block_size)
         self.num_computed = 0  # positions whose KV is in the pages
         self.prefilled = False  # the whole history but the last token is cached: the next row is a decode
+        self.slot: int | None = None  # its recurrent-state slot while admitted
         self._digests: list[bytes] = []  # chained content hash of each full page of tokens, filled lazily
 
     @property
-    def generated(self) -> list[int]:
-        """The tokens generated so far."""
-        return self.tokens[self.num_prompt:]
+    def tokens(self) -> list[int]:
+        """Prompt and generated tokens."""
+        return self.state.tokens
 
     def page_digest(self, index: int, block_size: int) -> bytes:
         """The hash of full page `index`'s tokens chained with the previous page's hash."""
@@ -224,9 +282,9 @@ class _Snapshot:
     """What schedule() may change, to restore on fail_batch()."""
 
     pool: tuple
-    running: tuple  # (request, pages, num_computed, prefilled) in admission order
+    running: tuple  # (request, pages, num_computed, prefilled, slot) in admission order
     waiting: tuple
-    last_kind: BatchKind | None
+    free_slots: tuple
     next_request_id: int
 
 
@@ -234,7 +292,6 @@ class _Snapshot:
 class _Draft:
     """A batch being built."""
 
-    kind: BatchKind
     budget: int
     rows: list[tuple[_Request, int, int]] = field(default_factory=list)  # (request, start, end)
     copies: list[tuple[int, int]] = field(default_factory=list)
@@ -245,7 +302,7 @@ class _Draft:
 class _Outstanding:
     """The batch the executor is running."""
 
-    id: int
+    batch: ScheduledBatch
     rows: list[tuple[_Request, int, int]]
     snapshot: _Snapshot
     preempted: list[_Request]
@@ -254,18 +311,25 @@ class _Outstanding:
 class ContinuousBatchScheduler:
     """Continuous batching over a paged KV pool.
 
-    Policy: a batch is all-prefill or all-decode. When both kinds have work they alternate batch by batch, so running
-    sequences decode at least every other step and waiting prompts advance at least every other step; neither
-    starves. A decode batch has one row per running, fully prefilled sequence (admission order, at most
-    max_batch_tokens rows). A prefill batch first continues partially prefilled sequences (admission order), then
-    admits waiting requests in FIFO order while fewer than max_active_sequences are running; each row takes as many
-    of its remaining tokens as the max_batch_tokens budget and the free pages allow, so a long prompt is prefilled in
-    chunks across batches. When a running sequence needs pages and none are free, the latest-admitted running
-    sequence not yet in the batch is preempted (possibly the one asking): its pages are freed and it goes back to the
-    front of the waiting queue with its generated tokens, to be recomputed (prompt + generated, in chunks) later.
-    New admissions never preempt; they wait for free pages. No request is dropped: one that could not fit in the
-    pool alone is rejected at submit. `share_prefixes=False` turns prefix sharing off (every request computes its
-    whole prompt), for models whose per-sequence state is more than KV pages (recurrent layers).
+    Policy (vLLM v1's): every batch fills one token budget, max_batch_tokens. First each running, fully prefilled
+    sequence gets its decode row (admission order), then partially prefilled sequences continue (admission order),
+    then waiting requests are admitted in FIFO order while fewer than max_active_sequences run. A prefill row takes
+    as many of its remaining tokens as the budget and the pages allow, so a long prompt is prefilled in chunks
+    across batches while the others keep decoding beside it. When a running sequence needs a page and none is
+    available, the latest-admitted running sequence not yet in the batch is preempted (possibly the one asking):
+    its pages are released and it goes back to the front of the waiting queue with its generated tokens, to be
+    recomputed (prompt + generated, in chunks) later. New admissions never preempt; they wait for pages. No request
+    is dropped: one that could not fit in the pool alone is rejected at submit.
+
+    Prefix cache: a full page is indexed by a hash of its tokens chained with the previous page's (vLLM's prefix
+    caching). An admitted request takes the indexed pages matching its leading full pages (reference counted) and
+    starts its prefill after them. The index outlives the requests: a page whose last user finished or was
+    preempted stays indexed (cached) until its page is needed for new content, least recently released first.
+    Shared pages are never written: a row that would write into one gets a fresh copy instead (copy-on-write,
+    reported in ScheduledBatch.copies). `share_prefixes=False` turns sharing off (every request computes its whole
+    prompt), for models whose per-sequence state is more than KV pages (recurrent layers).
+
+    Each admitted request also holds one of max_active_sequences recurrent-state slots (ScheduledSequence.slot).
     """
 
     def __init__(self, batch_config: ContinuousBatchConfig, kv_config: PagedKvCacheConfig,
@@ -276,15 +340,17 @@ class ContinuousBatchScheduler:
             raise SchedulerError(f"kv_config must be a PagedKvCacheConfig, got {type(kv_config).__name__}")
         self._batch_config = batch_config
         self._kv_config = kv_config
-        self._share_prefixes = share_prefixes  # off for models whose state is more than the KV pages
+        self._share_prefixes = share_prefixes
         self._default_eos = frozenset(_token_ids(default_eos_token_ids, "default_eos_token_ids"))
-        self._pool = _PagePool(kv_config.num_pages)
+        self.stats = SchedulerStats()
+        self._pool = _PagePool(kv_config.num_pages, self.stats)
+        self._free_slots = list(range(batch_config.max_active_sequences - 1, -1, -1))  # pop() hands out slot 0 first
         self._running: dict[_Request, None] = {}  # admission order
         self._waiting: deque[_Request] = deque()
         self._finished: list[FinishedRequest] = []
+        self._deltas: list[TokenDelta] = []
         self._next_request_id = 0
         self._next_batch_id = 0
-        self._last_kind: BatchKind | None = None
         self._outstanding: _Outstanding | None = None
 
     @property
@@ -298,11 +364,22 @@ class ContinuousBatchScheduler:
 
     @property
     def free_pages(self) -> int:
-        """Pages no request holds."""
-        return len(self._pool.free)
+        """Pages no request holds (plain free, or cached prefix pages)."""
+        return self._pool.available
 
-    def submit(self, prompt_token_ids, generation: GreedyGenerationConfig) -> RequestId:
-        """Queue a request; its eos_token_ids=None means the scheduler's default_eos_token_ids."""
+    @property
+    def cached_pages(self) -> int:
+        """Pages no request holds that keep indexed prefix content."""
+        return len(self._pool.cached)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self._running or self._waiting)
+
+    def submit(self, prompt_token_ids, generation: GreedyGenerationConfig,
+               detokenizer: IncrementalDetokenizer | None = None) -> RequestId:
+        """Queue a request; its eos_token_ids=None means the scheduler's default_eos_token_ids. With a `detokenizer`
+        the request's text grows as it generates (stop strings need one)."""
         prompt = _token_ids(prompt_token_ids, "prompt_token_ids")
         if not prompt:
             raise SchedulerError("prompt_token_ids is empty: a request needs at least one prompt token")
@@ -318,33 +395,40 @@ class ContinuousBatchScheduler:
         if needed > self.num_pages:
             raise SchedulerError(f"the request needs up to {needed} KV pages of {self._kv_config.block_size} tokens "
                                  f"but the pool has {self.num_pages}: shorten it or lower max_new_tokens")
-        eos = self._default_eos if generation.eos_token_ids is None else frozenset(generation.eos_token_ids)
-        request = _Request(RequestId(self._next_request_id), prompt, generation.max_new_tokens, eos)
+        if generation.stop_strings and detokenizer is None:
+            raise SchedulerError("stop_strings need the reply's text: submit the request with a detokenizer")
+        eos = self._default_eos if generation.eos_token_ids is None else generation.eos_token_ids
+        state = RequestState(prompt, generation.max_new_tokens, eos, limit, generation.stop_strings, detokenizer)
+        request = _Request(RequestId(self._next_request_id), state)
         self._next_request_id += 1
         self._waiting.append(request)
         return request.id
 
+    def request_state(self, request_id: RequestId) -> RequestState:
+        """The state (tokens, text) of an unfinished request."""
+        request = self._find(request_id)
+        if request is None:
+            raise SchedulerError(f"request {request_id!r} is not an unfinished request")
+        return request.state
+
     def schedule(self) -> ScheduledBatch | None:
         """The next batch (see the class policy), or None when no request is unfinished."""
         if self._outstanding is not None:
-            raise SchedulerError(f"complete or fail batch {self._outstanding.id} first")
+            raise SchedulerError(f"complete or fail batch {self._outstanding.batch.id} first")
         snapshot = self._snapshot()
         preempted: list[_Request] = []
         while self._running or self._waiting:  # a pass without rows has preempted someone, so this ends
-            for kind in self._kind_order():
-                draft = self._draft(kind, preempted)
-                if draft.rows:
-                    return self._issue(draft, snapshot, preempted)
+            draft = self._draft(preempted)
+            if draft.rows:
+                return self._issue(draft, snapshot, preempted)
         return None
 
     def complete_batch(self, batch_id: int, generated_token_ids) -> None:
-        """Record one generated token per row, in row order, and finish requests on EOS or length.
+        """Record one generated token per row, in row order, and finish requests (see RequestState).
 
-        A row that is a non-final prefill chunk (its context_length is short of the request's prompt + generated
-        tokens) only fills the cache: its token is discarded. Every other row's token is appended to its request,
-        which finishes with "eos" when the token is one of its EOS ids (the EOS token is kept as the last generated
-        token), or with "length" at max_new_tokens generated or max_sequence_length tokens in all; a finished
-        request's pages are freed.
+        A non-final row (a prefill chunk short of the request's tokens) only fills the cache: its token is
+        discarded. Every other row's token is appended to its request, which may finish it; a finished request's
+        pages are released (its full pages stay in the prefix cache).
         """
         outstanding = self._require_outstanding(batch_id)
         tokens = _token_ids(generated_token_ids, "generated_token_ids")
@@ -358,49 +442,93 @@ class ContinuousBatchScheduler:
     def fail_batch(self, batch_id: int) -> None:
         """Undo the batch: its requests, pages and queues go back to their state before it was scheduled.
 
-        The one exception: sequences preempted to make room for it stay preempted (waiting, no pages, tokens kept),
-        because the failed batch may have overwritten the pages they held.
+        Two exceptions, because the failed run may have written into any page it was given: sequences preempted to
+        make room for it stay preempted (waiting, no pages, tokens kept), and the pages it wrote leave the prefix
+        index. Requests aborted meanwhile finish now.
         """
         outstanding = self._require_outstanding(batch_id)
         self._outstanding = None
         self._restore(outstanding.snapshot)
         for request in outstanding.preempted:
             self._preempt(request)
+        for page in _written_pages(outstanding.batch, self._kv_config.block_size):
+            self._pool.unindex(page)
+        in_batch = {request for request, _, _ in outstanding.rows}
+        for request in [*self._running, *self._waiting]:
+            if request.state.finish_reason is not None:  # aborted while the batch ran: reported now, or already
+                self._finish(request, report=request in in_batch)
+
+    def abort(self, request_id: RequestId, reason: str = "abort") -> bool:
+        """Stop a request: it leaves its queue, its pages and slot are released, and pop_finished() reports it with
+        finish_reason `reason` ("abort", or "error" when the executor gives up on it). One in the outstanding batch
+        stops when that batch is completed or failed. Returns False when `request_id` is not an unfinished
+        request."""
+        request = self._find(request_id)
+        if request is None or request.state.finish_reason is not None:
+            return False
+        request.state.stop(reason)
+        self.stats.aborted += 1
+        if self._outstanding is None or request not in {r for r, _, _ in self._outstanding.rows}:
+            self._finish(request)
+        return True
+
+    def reset_cache(self) -> None:
+        """The executor's device state was lost (rebuilt after a failed step): every running request is preempted
+        (it recomputes its tokens later) and the prefix index is forgotten."""
+        if self._outstanding is not None:
+            raise SchedulerError(f"complete or fail batch {self._outstanding.batch.id} first")
+        for request in reversed(list(self._running)):
+            self._preempt(request)
+        for page in range(self.num_pages):
+            self._pool.unindex(page)
+        self.stats.cache_resets += 1
 
     def pop_finished(self) -> list[FinishedRequest]:
         """The requests finished since the last call, in finishing order."""
         finished, self._finished = self._finished, []
         return finished
 
+    def pop_deltas(self) -> list[TokenDelta]:
+        """The tokens generated since the last call, in order, with the text each added (for streaming)."""
+        deltas, self._deltas = self._deltas, []
+        return deltas
+
     def check_invariants(self) -> None:
-        """Debug check: each page is free xor held, refcounts match holders, shared pages are full and not written."""
+        """Debug check: each page is free, cached or held, refcounts match holders, the index matches the pages,
+        shared pages are full and not written, slots are held once."""
         block_size = self._kv_config.block_size
         holders = [0] * self.num_pages
         _check(len(self._running) <= self._batch_config.max_active_sequences, "more running than max_active_sequences")
         _check(not set(self._running) & set(self._waiting), "a request is both running and waiting")
         for request in self._waiting:
-            _check(not request.pages and request.num_computed == 0 and not request.prefilled,
-                   f"waiting request {request.id} holds pages or progress")
+            _check(not request.pages and request.num_computed == 0 and not request.prefilled and request.slot is None,
+                   f"waiting request {request.id} holds pages, a slot or progress")
         for request in self._running:
             _check(len(set(request.pages)) == len(request.pages), f"request {request.id} holds a page twice")
             _check(len(request.pages) >= self._pages_for(request.num_computed),
                    f"request {request.id} has computed positions without pages")
             for page in request.pages:
                 holders[page] += 1
-        free = set(self._pool.free)
+        slots = [r.slot for r in self._running] + self._free_slots
+        _check(sorted(slots) == list(range(self._batch_config.max_active_sequences)), f"slots are lost or shared: {slots}")
+        free, cached = set(self._pool.free), set(self._pool.cached)
         _check(len(free) == len(self._pool.free), "a page is free twice")
+        _check(not free & cached, "a page is both free and cached")
         for page in range(self.num_pages):
-            refcount = self._pool.refcount[page]
+            refcount, digest = self._pool.refcount[page], self._pool.digest_of[page]
             _check(refcount == holders[page], f"page {page} has refcount {refcount} but {holders[page]} holders")
-            _check((page in free) == (refcount == 0), f"page {page} is leaked or both free and held")
-            digest = self._pool.digest_of[page]
-            _check(digest is None or (refcount > 0 and self._pool.page_of.get(digest) == page),
-                   f"page {page} is indexed wrongly")
+            _check((page in free or page in cached) == (refcount == 0), f"page {page} is leaked or both free and held")
+            _check((page in cached) == (refcount == 0 and digest is not None), f"page {page} is cached wrongly")
+            _check(digest is None or self._pool.page_of.get(digest) == page, f"page {page} is indexed wrongly")
         _check(len(self._pool.page_of) == sum(d is not None for d in self._pool.digest_of), "stale prefix index")
         for request in self._running:
             for index, page in enumerate(request.pages):
                 _check(self._pool.refcount[page] == 1 or (index + 1) * block_size <= request.num_computed,
                        f"shared page {page} is not a full computed page of request {request.id}")
+
+    def _find(self, request_id) -> _Request | None:
+        """The unfinished request with that id."""
+        return next((r for r in [*self._running, *self._waiting] if r.id == request_id), None)
 
     def _pages_for(self, positions: int) -> int:
         """Pages covering that many positions."""
@@ -410,43 +538,39 @@ class ContinuousBatchScheduler:
         """The outstanding batch, if it has that id."""
         if self._outstanding is None:
             raise SchedulerError(f"batch {batch_id!r} is not outstanding: no batch is")
-        if batch_id != self._outstanding.id:
-            raise SchedulerError(f"batch {batch_id!r} is not outstanding: batch {self._outstanding.id} is")
+        if batch_id != self._outstanding.batch.id:
+            raise SchedulerError(f"batch {batch_id!r} is not outstanding: batch {self._outstanding.batch.id} is")
         return self._outstanding
 
-    def _kind_order(self) -> tuple[BatchKind, BatchKind]:
-        """The kind not run last goes first, so the kinds alternate while both have work."""
-        if self._last_kind is BatchKind.PREFILL:
-            return BatchKind.DECODE, BatchKind.PREFILL
-        return BatchKind.PREFILL, BatchKind.DECODE
-
-    def _draft(self, kind: BatchKind, preempted: list[_Request]) -> _Draft:
-        """Build a batch of that kind; it may preempt sequences (appended to `preempted`) and may come out empty."""
-        draft = _Draft(kind, self._batch_config.max_batch_tokens)
-        wants_prefilled = kind is BatchKind.DECODE
-        for request in [r for r in self._running if r.prefilled == wants_prefilled]:
+    def _draft(self, preempted: list[_Request]) -> _Draft:
+        """Build a batch under the token budget; it may preempt sequences (appended to `preempted`) and may come out
+        empty."""
+        draft = _Draft(self._batch_config.max_batch_tokens)
+        running = list(self._running)
+        for request in [r for r in running if r.prefilled] + [r for r in running if not r.prefilled]:
             if draft.budget == 0:
                 break
             if request in self._running:  # not preempted by an earlier row
                 self._place(draft, request, preempted)
-        if kind is BatchKind.PREFILL:
-            self._admit_waiting(draft)
+        self._admit_waiting(draft)
         return draft
 
     def _admit_waiting(self, draft: _Draft) -> None:
-        """Admit waiting requests in FIFO order while slots, token budget and free pages allow."""
+        """Admit waiting requests in FIFO order while slots, token budget and pages allow."""
         while self._waiting and draft.budget and len(self._running) < self._batch_config.max_active_sequences:
             request = self._waiting[0]
-            if self._share_prefixes:
-                self._attach_cached_prefix(request)
+            hits = self._attach_cached_prefix(request) if self._share_prefixes else 0
             if not self._place(draft, request, None):
                 self._release_pages(request)
                 return
+            self.stats.prefix_hit_pages += hits
             self._waiting.popleft()
             self._running[request] = None
+            request.slot = self._free_slots.pop()
 
-    def _attach_cached_prefix(self, request: _Request) -> None:
-        """Share the indexed pages matching the request's leading full pages; compute at least its last token."""
+    def _attach_cached_prefix(self, request: _Request) -> int:
+        """Share the indexed pages matching the request's leading full pages (how many are returned); compute at
+        least its last token."""
         block_size = self._kv_config.block_size
         for index in range(len(request.tokens) // block_size):
             page = self._pool.page_of.get(request.page_digest(index, block_size))
@@ -455,6 +579,7 @@ class ContinuousBatchScheduler:
             self._pool.share(page)
             request.pages.append(page)
         request.num_computed = min(len(request.pages) * block_size, len(request.tokens) - 1)
+        return len(request.pages)
 
     def _place(self, draft: _Draft, request: _Request, preempted: list[_Request] | None) -> bool:
         """Add the request's next chunk as a row; without pages, preempt (if `preempted` is given) or give up."""
@@ -479,9 +604,9 @@ class ContinuousBatchScheduler:
         return index < len(request.pages) and self._pool.refcount[request.pages[index]] > 1
 
     def _fit_end(self, request: _Request, start: int, budget: int) -> int:
-        """The end of the longest chunk from `start` that the budget and free pages allow."""
+        """The end of the longest chunk from `start` that the budget and available pages allow."""
         copies = int(self._writes_shared_page(request, start))
-        room = (len(request.pages) + len(self._pool.free) - copies) * self._kv_config.block_size
+        room = (len(request.pages) + self._pool.available - copies) * self._kv_config.block_size
         return min(len(request.tokens), start + budget, room)
 
     def _reserve(self, request: _Request, start: int, end: int) -> list[tuple[int, int]]:
@@ -498,72 +623,89 @@ class ContinuousBatchScheduler:
         return copies
 
     def _release_pages(self, request: _Request) -> None:
-        """Drop the request's pages and cached progress."""
+        """Drop the request's pages, slot and cached progress."""
         for page in reversed(request.pages):
             self._pool.release(page)
         request.pages = []
         request.num_computed = 0
+        if request.slot is not None:
+            self._free_slots.append(request.slot)
+            request.slot = None
 
     def _preempt(self, request: _Request) -> None:
-        """Free a running request's pages and put it at the front of the waiting queue, tokens kept."""
+        """Release a running request's pages and put it at the front of the waiting queue, tokens kept."""
         self._release_pages(request)
         request.prefilled = False
         del self._running[request]
         self._waiting.appendleft(request)
+        self.stats.preemptions += 1
+
+    def _finish(self, request: _Request, report: bool = True) -> None:
+        """Take a request whose state has a finish reason out of its queue and (unless done before) report it."""
+        self._release_pages(request)
+        self._running.pop(request, None)
+        if request in self._waiting:
+            self._waiting.remove(request)
+        state = request.state
+        if report:
+            self._finished.append(FinishedRequest(request.id, state.prompt, state.generated, state.finish_reason,
+                                                  state.text))
 
     def _issue(self, draft: _Draft, snapshot: _Snapshot, preempted: list[_Request]) -> ScheduledBatch:
         """Make the draft the outstanding batch."""
-        batch_id = self._next_batch_id
-        self._next_batch_id += 1
-        self._last_kind = draft.kind
-        self._outstanding = _Outstanding(batch_id, list(draft.rows), snapshot, list(preempted))
-        sequences = [ScheduledSequence(request.id, request.tokens[start:end], start, end, list(request.pages))
+        decodes = sum(request.prefilled for request, _, _ in draft.rows)
+        kind = BatchKind.DECODE if decodes == len(draft.rows) else BatchKind.PREFILL
+        sequences = [ScheduledSequence(request.id, request.tokens[start:end], start, end, list(request.pages),
+                                       end == len(request.tokens), request.slot)
                      for request, start, end in draft.rows]
-        return ScheduledBatch(batch_id, draft.kind, sequences, list(draft.copies))
+        batch = ScheduledBatch(self._next_batch_id, kind, sequences, list(draft.copies))
+        self._next_batch_id += 1
+        self._outstanding = _Outstanding(batch, list(draft.rows), snapshot, list(preempted))
+        self.stats.batches += 1
+        self.stats.mixed_batches += 0 < decodes < len(draft.rows)
+        self.stats.copy_on_write += len(draft.copies)
+        return batch
 
     def _advance(self, request: _Request, start: int, end: int, token: int) -> None:
-        """Record a completed row: its KV is cached; a final row's token is appended and may finish the request."""
+        """Record a completed row: its KV is cached; a final row's token is appended, which may finish the request."""
         block_size = self._kv_config.block_size
         request.num_computed = end
         for index in range(start // block_size, end // block_size):
             self._pool.register(request.pages[index], request.page_digest(index, block_size))
-        if end < len(request.tokens):
-            return  # a non-final prefill chunk: the token is discarded
-        request.prefilled = True
-        request.tokens.append(token)
-        reason = self._finish_reason(request, token)
-        if reason is not None:
-            self._release_pages(request)
-            del self._running[request]
-            self._finished.append(FinishedRequest(request.id, request.tokens[:request.num_prompt], request.generated,
-                                                  reason))
-
-    def _finish_reason(self, request: _Request, token: int) -> str | None:
-        """Why the request stops after `token`: "eos", "length", or None to go on."""
-        if token in request.eos:
-            return "eos"
-        too_long = len(request.tokens) >= self._kv_config.max_sequence_length
-        if len(request.generated) >= request.max_new_tokens or too_long:
-            return "length"
-        return None
+        if request.state.finish_reason is None and end == len(request.tokens):
+            request.prefilled = True
+            text = request.state.append(token)
+            self._deltas.append(TokenDelta(request.id, token, text, request.state.finish_reason))
+        if request.state.finish_reason is not None:
+            self._finish(request)
 
     def _snapshot(self) -> _Snapshot:
         """The state schedule() may change."""
-        running = tuple((r, tuple(r.pages), r.num_computed, r.prefilled) for r in self._running)
-        return _Snapshot(self._pool.snapshot(), running, tuple(self._waiting), self._last_kind, self._next_request_id)
+        running = tuple((r, tuple(r.pages), r.num_computed, r.prefilled, r.slot) for r in self._running)
+        return _Snapshot(self._pool.snapshot(), running, tuple(self._waiting), tuple(self._free_slots),
+                         self._next_request_id)
 
     def _restore(self, snapshot: _Snapshot) -> None:
         """Go back to a snapshot, keeping requests submitted since at the end of the waiting queue."""
         submitted_since = [r for r in self._waiting if r.id >= snapshot.next_request_id]
         for request in snapshot.waiting:
-            request.pages, request.num_computed, request.prefilled = [], 0, False
+            request.pages, request.num_computed, request.prefilled, request.slot = [], 0, False, None
         self._pool.restore(snapshot.pool)
         self._running = {}
-        for request, pages, num_computed, prefilled in snapshot.running:
-            request.pages, request.num_computed, request.prefilled = list(pages), num_computed, prefilled
+        for request, pages, num_computed, prefilled, slot in snapshot.running:
+            request.pages, request.num_computed, request.prefilled, request.slot = list(pages), num_computed, \
+                prefilled, slot
             self._running[request] = None
         self._waiting = deque(snapshot.waiting + tuple(submitted_since))
-        self._last_kind = snapshot.last_kind
+        self._free_slots = list(snapshot.free_slots)
+
+
+def _written_pages(batch: ScheduledBatch, block_size: int) -> set[int]:
+    """The pages a run of the batch writes: its copies' destinations and the pages of each row's positions."""
+    pages = {dst for _, dst in batch.copies}
+    for row in batch.sequences:
+        pages |= {row.page_table[p // block_size] for p in range(row.start_position, row.context_length)}
+    return pages
 
 
 def _check(condition: bool, message: str) -> None:

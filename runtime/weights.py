@@ -1,4 +1,5 @@
-"""Loading checkpoint tensors (single or sharded safetensors, f32/f16/bf16) into device memory.
+"""Loading params from checkpoint tensors (single or sharded safetensors, f32/f16/bf16) into device memory, each
+made by its transform of the weight map.
 
 Weights keep their checkpoint dtype: bf16 stays bf16 and is widened inside the kernels. A tensor holding
 NaN or infinity gives a warning naming it (the model still loads: its output will likely be garbage).
@@ -14,6 +15,7 @@ import ml_dtypes
 import numpy as np
 import tvm
 
+from ir.contract import ParamSpec
 from ir.errors import RudaWarning
 from models.checkpoint import CheckpointError, TensorEntry
 
@@ -37,27 +39,37 @@ def nonfinite_count(array: np.ndarray, dtype: str) -> int:
                for i in range(0, flat.size, _CHUNK))
 
 
-def load_tensors(entries: dict[str, TensorEntry], names: list[str], device: tvm.runtime.Device) -> list[tvm.runtime.Tensor]:
-    """The named tensors, in order, copied onto `device` (with a warning for each that is not all finite)."""
+TRANSFORMS = {
+    "copy": lambda arrays: arrays[0],
+}
+"""The weight map's transforms (ir.graph.WEIGHT_TRANSFORMS): source arrays -> the param's array."""
+
+
+def load_params(entries: dict[str, TensorEntry], params: tuple[ParamSpec, ...],
+                device: tvm.runtime.Device) -> list[tvm.runtime.Tensor]:
+    """Each param, in order, made from its checkpoint tensors by its transform and copied onto `device` (with a
+    warning for each source that is not all finite)."""
     maps: dict[Path, mmap.mmap] = {}
-    out = []
-    for name in names:
-        entry = entries[name]
-        if entry.file not in maps:
-            try:
-                with entry.file.open("rb") as f:
-                    maps[entry.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            except OSError as e:
-                raise CheckpointError(f"{entry.file}: cannot be read ({e.strerror}); fix its permissions or restore "
-                                      "it") from None
+    return [tvm.runtime.tensor(TRANSFORMS[p.transform]([_source(entries[name], name, maps) for name in p.sources]),
+                               device) for p in params]
+
+
+def _source(entry: TensorEntry, name: str, maps: dict[Path, mmap.mmap]) -> np.ndarray:
+    """One checkpoint tensor over its mapped file (mapping the file on first use)."""
+    if entry.file not in maps:
         try:
-            array = read_tensor(entry, maps[entry.file])
-        except ValueError:
-            raise CheckpointError(f"{entry.file}: shorter than its header says (truncated since it was checked); "
-                                  "restore it") from None
-        bad = nonfinite_count(array, entry.dtype)
-        if bad:
-            warnings.warn(f"{entry.file}: tensor {name!r} holds {bad} NaN or infinite values; the checkpoint is "
-                          "probably damaged, and generated text will be garbage", RudaWarning, stacklevel=2)
-        out.append(tvm.runtime.tensor(array, device))
-    return out
+            with entry.file.open("rb") as f:
+                maps[entry.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as e:
+            raise CheckpointError(f"{entry.file}: cannot be read ({e.strerror}); fix its permissions or restore "
+                                  "it") from None
+    try:
+        array = read_tensor(entry, maps[entry.file])
+    except ValueError:
+        raise CheckpointError(f"{entry.file}: shorter than its header says (truncated since it was checked); "
+                              "restore it") from None
+    bad = nonfinite_count(array, entry.dtype)
+    if bad:
+        warnings.warn(f"{entry.file}: tensor {name!r} holds {bad} NaN or infinite values; the checkpoint is "
+                      "probably damaged, and generated text will be garbage", RudaWarning, stacklevel=3)
+    return array

@@ -10,7 +10,7 @@ from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
 from .amx import amx_gemm
-from .cpu_attention import prefill_attention
+from .cpu_attention import paged_attention, prefill_attention
 from .loops import split_loops, static_extent
 from .vector_math import vector_math
 from .written import linear_func
@@ -81,43 +81,80 @@ def _linear(sch: s_tir.Schedule, lanes: int) -> None:
         _gemv(sch, block, lanes)
 
 
-def _decode_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
-    """The one-row product x @ w.T (+ bias) with 16-bit weights as a weight-streaming loop, or None when the
-    shape does not fit it.
+GEMV_MAX_ROWS = 16  # activation rows a weight-streaming product takes (decode steps of up to this many sequences)
+GEMV_L1_BYTES = 32 * 1024  # x rows larger than a core's L1 data cache are read one depth block at a time
+GEMV_X_BLOCK_BYTES = 16 * 1024  # ... of this many bytes of x (half of L1: the weights stream through it too)
+GEMV_TASK_ROWS = 16  # several x rows: weight rows per task, passed over depth block by depth block
 
-    Tasks of 4 weight rows run across the cores; each step reads 2 x `lanes` elements of every row of
-    the task, widened in registers, into two accumulators per row, and prefetches (into L2) the same elements
-    of the next task's rows, which follow in memory (the hardware prefetcher alone leaves a core well short
-    of its share of memory bandwidth on 16-bit weights; on float32 weights it keeps up, and the scheduled
-    `_gemv` is as fast). Schedule primitives cannot insert prefetches, so this loop nest is written
-    out; it computes the sums of `compiler.kernels.linear` in another order.
+
+def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
+    """The product x @ w.T (+ bias) of a few rows x (decode steps: one row per sequence) as a weight-streaming
+    loop that reads each weight once for all rows, or None when the shape does not fit it.
+
+    Tasks of weight rows run across the cores; each step reads `lanes` (one row: 2 x `lanes`) elements of a tile
+    of up to 4 weight rows, widened in registers, and adds their products with the same elements of every x row
+    into accumulators (rows x weight rows x halves, at most half the SIMD registers), and prefetches (into L2)
+    the same elements of the next tile's rows, which follow in memory (the hardware prefetcher alone leaves a core
+    well short of its share of memory bandwidth on 16-bit weights). When the x rows outgrow L1, a task holds
+    GEMV_TASK_ROWS weight rows and passes over them one depth block at a time, so the block's slice of x stays in
+    L1 for all of them (the partial sums wait in memory between blocks). One row of float32 weights is left to
+    `_gemv`, as fast there. Schedule primitives cannot insert prefetches, so this loop nest is written out; it
+    computes the sums of `compiler.kernels.linear` in another order.
     """
     x_buf, w_buf = func.params[:2]
+    m = int(x_buf.shape[0])
     n, k = (int(d) for d in w_buf.shape)
-    step = 2 * lanes
-    if int(x_buf.shape[0]) != 1 or k % step or w_buf.dtype not in ("bfloat16", "float16"):
+    halves = 2 if m == 1 else 1  # one row: two accumulators per weight row, to hide the FMA latency
+    step = halves * lanes
+    budget = 16 if lanes >= 16 else 8  # accumulators: half the SIMD registers (AVX-512 has 32, AVX2 16)
+    if m > min(GEMV_MAX_ROWS, budget) or k % step or (m == 1 and w_buf.dtype not in ("bfloat16", "float16")):
         return None
-    cols = next(c for c in (4, 2, 1) if n % c == 0)
+    cols = next(c for c in (4, 2, 1) if n % c == 0 and m * c * halves <= budget)
+    blocked = m > 1 and m * k * 4 > GEMV_L1_BYTES and n % GEMV_TASK_ROWS == 0  # x rows would leave L1
+    tiles = GEMV_TASK_ROWS // cols if blocked else 1  # weight-row tiles per task
+    block = next(b for b in range(GEMV_X_BLOCK_BYTES // (4 * m) // step * step, 0, -step) if k % b == 0) \
+        if blocked else k
+    rows_per_task = tiles * cols
 
     @T.macro
     def products(xs, ws, ys, first):
         flat = T.decl_buffer((n * k,), w_buf.dtype, data=ws.data)
-        for task in T.parallel(n // cols):
-            acc = T.alloc_buffer((cols, 2, lanes), "float32")  # on the stack (see cpu_attention), so in registers
-            for c, h, lane in T.grid(cols, 2, lanes):
-                acc[c, h, lane] = T.float32(0)
-            for s in range(k // step):
-                for c in T.unroll(cols):
-                    T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                        flat[T.min(((task + 1) * cols + c) * k + s * step, n * k - 1)]), 0, 2, 1))  # into L2
-                    for h in T.unroll(2):
-                        for lane in T.vectorized(lanes):
-                            acc[c, h, lane] = acc[c, h, lane] + xs[0, s * step + h * lanes + lane] * T.Cast(
-                                "float32", ws[task * cols + c, s * step + h * lanes + lane])
-            for c in T.unroll(cols):
-                ys[0, task * cols + c] = first(task * cols + c)
-                for h, lane in T.grid(2, lanes):
-                    ys[0, task * cols + c] = ys[0, task * cols + c] + acc[c, h, lane]
+        for task in T.parallel(n // rows_per_task):
+            sums = T.alloc_buffer((tiles, m, cols, halves, lanes), "float32")  # partial sums between depth blocks
+            acc = T.alloc_buffer((m, cols, halves, lanes), "float32")  # on the stack (see cpu_attention): registers
+            wide = T.alloc_buffer((cols, halves, lanes), "float32")
+            for t, r, c, h, lane in T.grid(tiles, m, cols, halves, lanes):
+                sums[t, r, c, h, lane] = T.float32(0)
+            for kb, t in T.grid(k // block, tiles):
+                row = (task * tiles + t) * cols
+                for r in T.unroll(m):
+                    for c in T.unroll(cols):
+                        for h in T.unroll(halves):
+                            for lane in T.vectorized(lanes):
+                                acc[r, c, h, lane] = sums[t, r, c, h, lane]
+                for s in range(block // step):
+                    at = kb * block + s * step
+                    for c in T.unroll(cols):
+                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
+                            flat[T.min((row + cols + c) * k + at, n * k - 1)]), 0, 2, 1))  # into L2
+                        for h in T.unroll(halves):
+                            for lane in T.vectorized(lanes):
+                                wide[c, h, lane] = T.Cast("float32", ws[row + c, at + h * lanes + lane])
+                    for r in T.unroll(m):
+                        for c in T.unroll(cols):
+                            for h in T.unroll(halves):
+                                for lane in T.vectorized(lanes):
+                                    acc[r, c, h, lane] = acc[r, c, h, lane] + xs[r, at + h * lanes + lane] * wide[
+                                        c, h, lane]
+                for r in T.unroll(m):
+                    for c in T.unroll(cols):
+                        for h in T.unroll(halves):
+                            for lane in T.vectorized(lanes):
+                                sums[t, r, c, h, lane] = acc[r, c, h, lane]
+            for t, r, c in T.grid(tiles, m, cols):
+                ys[r, (task * tiles + t) * cols + c] = first((task * tiles + t) * cols + c)
+                for h, lane in T.grid(halves, lanes):
+                    ys[r, (task * tiles + t) * cols + c] = ys[r, (task * tiles + t) * cols + c] + sums[t, r, c, h, lane]
 
     return linear_func(func, products)
 
@@ -289,9 +326,11 @@ def _written(func: tirx.PrimFunc, kind: str, lanes: int, amx: bool, attrs: dict 
     """A hand-written kernel for this op and shape, or None when schedule primitives handle it."""
     if kind == "linear":
         gemm = amx_gemm(func) if amx else None
-        return gemm if gemm is not None else _decode_gemv(func, lanes)
+        return gemm if gemm is not None else _rows_gemv(func, lanes)
     if kind == "attention" and attrs is not None:
         return prefill_attention(func, attrs, lanes)
+    if kind == "paged_attention" and attrs is not None:
+        return paged_attention(func, attrs, lanes)
     return None
 
 

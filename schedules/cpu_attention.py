@@ -1,11 +1,14 @@
-"""Prefill attention on a CPU as two register-blocked matrix products per head and block of query rows.
+"""Attention on a CPU: blocks of query rows of one sequence as two register-blocked matrix products per head,
+and single rows (decode, or rows of different sequences) one dot product per position.
 
-The compute definition (`compiler.kernels.attention`) scores one query row against one position at a time,
-a dot product that ends in a horizontal sum; here a task (one head, `lanes` or 2 x `lanes` query rows)
-instead computes S[position, row] = k . q with the rows in SIMD lanes (q transposed once, each key element
-broadcast), so every step is a vector FMA; the softmax runs over positions with the rows still in lanes, and
-O[row, :] = sum over positions of p * v with the head dimension in lanes. Positions after the block's last
-visible one are skipped (causal), and unwritten cache rows are never read into a sum.
+The compute definitions (`compiler.kernels.attention`, `paged_attention`) score one query row against one
+position at a time, a dot product that ends in a horizontal sum. For a block of `lanes` or 2 x `lanes`
+consecutive rows of one sequence, a task (one head, one block) instead computes S[position, row] = k . q with
+the rows in SIMD lanes (q transposed once, each key element broadcast), so every step is a vector FMA; the
+softmax runs over positions with the rows still in lanes, and O[row, :] = sum over positions of p * v with the
+head dimension in lanes. Positions after the block's last visible one are skipped (causal), and unwritten cache
+rows are never read into a sum. Keys and values are found through a base offset per position: a row of the
+contiguous cache, or a slot of a page that the sequence's block table names.
 """
 
 from __future__ import annotations
@@ -19,83 +22,206 @@ POSITIONS = 7  # positions scored per step, each with its own accumulators (7 x 
 OUT_ROWS = 2  # query rows summed per step of the weighted sum, times up to 4 vectors of the head dimension
 
 
+class _Shape:
+    """The sizes one attention kernel is specialised for."""
+
+    def __init__(self, q_buf, history: int, attrs: dict, lanes: int):
+        self.rows, self.history, self.lanes = int(q_buf.shape[0]), history, lanes
+        self.heads, self.dim, self.scale = attrs["num_heads"], attrs["head_dim"], float(attrs["scale"])
+        self.group = self.heads // attrs["num_kv_heads"]
+        self.vecs = 2 if self.rows % (2 * lanes) == 0 else 1  # row vectors per block
+        self.block = self.vecs * lanes
+        self.out_vecs = next(c for c in (4, 3, 2, 1) if self.dim // lanes % c == 0)  # head-dim vectors per out tile
+        self.span = (history + POSITIONS - 1) // POSITIONS * POSITIONS
+
+    @property
+    def blocked(self) -> bool:
+        """Whether blocks of rows fit: rows and head_dim whole SIMD vectors, more than one row."""
+        return self.rows % self.lanes == 0 and self.dim % self.lanes == 0 and self.rows > 1
+
+
+def _block_macro(shape: _Shape):
+    """The macro computing one head of one block of rows: row r0 + r of q sees positions [0, min(first + r,
+    seen - 1)]; `base(j)` is the flat offset of position j's key/value row."""
+    lanes, vecs, block, dim, span, out_vecs = shape.lanes, shape.vecs, shape.block, shape.dim, shape.span, shape.out_vecs
+    scale = shape.scale
+
+    @T.macro
+    def rows_block(q, out, keys, values, h, kv, r0, first, seen, base):
+        steps = (seen + POSITIONS - 1) // POSITIONS
+        qt = T.alloc_buffer((dim, block), "float32")  # q of the block's rows, transposed, scaled
+        s = T.alloc_buffer((span, block), "float32")  # scores, then probabilities
+        offsets = T.alloc_buffer((POSITIONS,), "int32")
+        acc = T.alloc_buffer((POSITIONS, vecs, lanes), "float32")
+        top = T.alloc_buffer((vecs, lanes), "float32")
+        total = T.alloc_buffer((vecs, lanes), "float32")
+        out_acc = T.alloc_buffer((OUT_ROWS, out_vecs, lanes), "float32")
+        for r, d in T.grid(block, dim):
+            qt[d, r] = q[r0 + r, h * dim + d] * T.float32(scale)
+        for step in range(steps):
+            for p in T.unroll(POSITIONS):  # positions past the last seen one read it again; the mask drops them
+                offsets[p] = base(T.min(step * POSITIONS + p, seen - 1)) + kv
+            for p in T.unroll(POSITIONS):  # every loop that indexes an accumulator tile is unrolled
+                for v in T.unroll(vecs):
+                    for lane in T.vectorized(lanes):
+                        acc[p, v, lane] = T.float32(0)
+            for d in range(dim):
+                for p in T.unroll(POSITIONS):
+                    for v in T.unroll(vecs):
+                        for lane in T.vectorized(lanes):
+                            acc[p, v, lane] = acc[p, v, lane] + qt[d, v * lanes + lane] * keys[offsets[p] + d]
+            for p in T.unroll(POSITIONS):
+                for v in T.unroll(vecs):
+                    for lane in T.vectorized(lanes):
+                        s[step * POSITIONS + p, v * lanes + lane] = acc[p, v, lane]
+        for v in T.unroll(vecs):
+            for lane in T.vectorized(lanes):
+                top[v, lane] = T.min_value("float32")
+                total[v, lane] = T.float32(0)
+            for j in range(steps * POSITIONS):
+                for lane in T.vectorized(lanes):
+                    top[v, lane] = T.max(top[v, lane], T.Select(
+                        j <= T.min(first + v * lanes + lane, seen - 1), s[j, v * lanes + lane], T.min_value("float32")))
+            for j in range(steps * POSITIONS):
+                for lane in T.vectorized(lanes):
+                    s[j, v * lanes + lane] = T.Select(j <= T.min(first + v * lanes + lane, seen - 1),
+                                                      T.exp(s[j, v * lanes + lane] - top[v, lane]), T.float32(0))
+                    total[v, lane] = total[v, lane] + s[j, v * lanes + lane]
+        for r2, c0 in T.grid(block // OUT_ROWS, dim // lanes // out_vecs):
+            for r in T.unroll(OUT_ROWS):
+                for c in T.unroll(out_vecs):
+                    for lane in T.vectorized(lanes):
+                        out_acc[r, c, lane] = T.float32(0)
+            for j in range(seen):  # written cache rows only: unwritten ones may hold NaN
+                offsets[0] = base(j) + kv + c0 * out_vecs * lanes
+                for r in T.unroll(OUT_ROWS):
+                    for c in T.unroll(out_vecs):
+                        for lane in T.vectorized(lanes):
+                            out_acc[r, c, lane] = out_acc[r, c, lane] + s[j, r2 * OUT_ROWS + r] * values[
+                                offsets[0] + c * lanes + lane]
+            for r in T.unroll(OUT_ROWS):
+                for c in T.unroll(out_vecs):
+                    for lane in T.vectorized(lanes):
+                        out[r0 + r2 * OUT_ROWS + r, h * dim + (c0 * out_vecs + c) * lanes + lane] = out_acc[
+                            r, c, lane] / total[(r2 * OUT_ROWS + r) // lanes, (r2 * OUT_ROWS + r) % lanes]
+
+    return rows_block
+
+
+def _row_macro(shape: _Shape):
+    """The macro computing one head of one query row t, seeing positions [0, last]: a vector dot product per
+    position (the head dimension in lanes, one horizontal sum each), then the weighted sum of values."""
+    lanes, dim, span, scale = shape.lanes, shape.dim, shape.span, shape.scale
+    chunks = dim // lanes
+
+    @T.macro
+    def one_row(q, out, keys, values, h, kv, t, last, base):
+        s = T.alloc_buffer((span,), "float32")
+        qs = T.alloc_buffer((chunks, lanes), "float32")
+        acc = T.alloc_buffer((lanes,), "float32")
+        out_acc = T.alloc_buffer((chunks, lanes), "float32")
+        top = T.alloc_buffer((1,), "float32")
+        total = T.alloc_buffer((1,), "float32")
+        for c in range(chunks):
+            for lane in T.vectorized(lanes):
+                qs[c, lane] = q[t, h * dim + c * lanes + lane] * T.float32(scale)
+        top[0] = T.min_value("float32")
+        for j in range(last + 1):
+            at = base(j) + kv
+            for lane in T.vectorized(lanes):
+                acc[lane] = T.float32(0)
+            for c in range(chunks):
+                for lane in T.vectorized(lanes):
+                    acc[lane] = acc[lane] + qs[c, lane] * keys[at + c * lanes + lane]
+            s[j] = T.float32(0)
+            for lane in range(lanes):
+                s[j] = s[j] + acc[lane]
+            top[0] = T.max(top[0], s[j])
+        total[0] = T.float32(0)
+        for c in range(chunks):
+            for lane in T.vectorized(lanes):
+                out_acc[c, lane] = T.float32(0)
+        for j in range(last + 1):
+            s[j] = T.exp(s[j] - top[0])
+            total[0] = total[0] + s[j]
+            at = base(j) + kv
+            for c in range(chunks):
+                for lane in T.vectorized(lanes):
+                    out_acc[c, lane] = out_acc[c, lane] + s[j] * values[at + c * lanes + lane]
+        for c in range(chunks):
+            for lane in T.vectorized(lanes):
+                out[t, h * dim + c * lanes + lane] = out_acc[c, lane] / total[0]
+
+    return one_row
+
+
 def prefill_attention(func: tirx.PrimFunc, attrs: dict, lanes: int) -> tirx.PrimFunc | None:
     """The `attention` op's kernel (contiguous KV cache) for prefill chunks, or None for shapes it does not
     cover (rows or head_dim not whole SIMD vectors, or a single row: decode)."""
     q_buf, k_buf = func.params[0], func.params[1]
-    rows, ctx, kv_width = int(q_buf.shape[0]), int(k_buf.shape[0]), int(k_buf.shape[1])
-    heads, dim, scale = attrs["num_heads"], attrs["head_dim"], float(attrs["scale"])
-    group = heads // attrs["num_kv_heads"]
-    if rows % lanes or dim % lanes or rows == 1:
+    ctx, kv_width = int(k_buf.shape[0]), int(k_buf.shape[1])
+    shape = _Shape(q_buf, ctx, attrs, lanes)
+    if not shape.blocked:
         return None
-    vecs = 2 if rows % (2 * lanes) == 0 else 1  # row vectors per task
-    out_vecs = next(c for c in (4, 3, 2, 1) if dim // lanes % c == 0)  # head-dimension vectors per output tile
-    block = vecs * lanes
+    rows, heads, dim, group, block = shape.rows, shape.heads, shape.dim, shape.group, shape.block
     blocks = rows // block
-    span = (ctx + POSITIONS - 1) // POSITIONS * POSITIONS
+    rows_block = _block_macro(shape)
 
     @T.prim_func(check_well_formed=False)
     def attention(q: T.Buffer((rows, heads * dim), "float32"), kc: T.Buffer((ctx, kv_width), "float32"),
                   vc: T.Buffer((ctx, kv_width), "float32"), pos: T.int32, n: T.int32,
                   out: T.Buffer((rows, heads * dim), "float32")):
+        keys = T.decl_buffer((ctx * kv_width,), "float32", data=kc.data)
+        values = T.decl_buffer((ctx * kv_width,), "float32", data=vc.data)
         for task in T.parallel(heads * blocks):
-            h = task // blocks
-            r0 = task % blocks * block
-            kv = h // group * dim
-            seen = T.min(pos + n, pos + r0 + block)  # positions any row of this block sees: [0, seen)
-            steps = (seen + POSITIONS - 1) // POSITIONS
-            qt = T.alloc_buffer((dim, block), "float32")  # q of the block's rows, transposed, scaled
-            s = T.alloc_buffer((span, block), "float32")  # scores, then probabilities
-            acc = T.alloc_buffer((POSITIONS, vecs, lanes), "float32")
-            top = T.alloc_buffer((vecs, lanes), "float32")
-            total = T.alloc_buffer((vecs, lanes), "float32")
-            out_acc = T.alloc_buffer((OUT_ROWS, out_vecs, lanes), "float32")
-            for r, d in T.grid(block, dim):
-                qt[d, r] = q[r0 + r, h * dim + d] * T.float32(scale)
-            for step in range(steps):
-                for p in T.unroll(POSITIONS):  # every loop that indexes an accumulator tile is unrolled
-                    for v in T.unroll(vecs):
-                        for lane in T.vectorized(lanes):
-                            acc[p, v, lane] = T.float32(0)
-                for d in range(dim):
-                    for p in T.unroll(POSITIONS):
-                        for v in T.unroll(vecs):
-                            for lane in T.vectorized(lanes):  # rows past the cache's end read its last row
-                                acc[p, v, lane] = acc[p, v, lane] + qt[d, v * lanes + lane] * kc[
-                                    T.min(step * POSITIONS + p, ctx - 1), kv + d]
-                for p in T.unroll(POSITIONS):
-                    for v in T.unroll(vecs):
-                        for lane in T.vectorized(lanes):
-                            s[step * POSITIONS + p, v * lanes + lane] = acc[p, v, lane]
-            for v in T.unroll(vecs):
-                for lane in T.vectorized(lanes):
-                    top[v, lane] = T.min_value("float32")
-                    total[v, lane] = T.float32(0)
-                for j in range(steps * POSITIONS):
-                    for lane in T.vectorized(lanes):
-                        top[v, lane] = T.max(top[v, lane], T.Select(
-                            j <= T.min(pos + r0 + v * lanes + lane, pos + n - 1), s[j, v * lanes + lane],
-                            T.min_value("float32")))
-                for j in range(steps * POSITIONS):
-                    for lane in T.vectorized(lanes):
-                        s[j, v * lanes + lane] = T.Select(j <= T.min(pos + r0 + v * lanes + lane, pos + n - 1),
-                                                          T.exp(s[j, v * lanes + lane] - top[v, lane]), T.float32(0))
-                        total[v, lane] = total[v, lane] + s[j, v * lanes + lane]
-            for r2, c0 in T.grid(block // OUT_ROWS, dim // lanes // out_vecs):
-                for r in T.unroll(OUT_ROWS):
-                    for c in T.unroll(out_vecs):
-                        for lane in T.vectorized(lanes):
-                            out_acc[r, c, lane] = T.float32(0)
-                for j in range(seen):  # written cache rows only: unwritten ones may hold NaN
-                    for r in T.unroll(OUT_ROWS):
-                        for c in T.unroll(out_vecs):
-                            for lane in T.vectorized(lanes):
-                                out_acc[r, c, lane] = out_acc[r, c, lane] + s[j, r2 * OUT_ROWS + r] * vc[
-                                    j, kv + (c0 * out_vecs + c) * lanes + lane]
-                for r in T.unroll(OUT_ROWS):
-                    for c in T.unroll(out_vecs):
-                        for lane in T.vectorized(lanes):
-                            out[r0 + r2 * OUT_ROWS + r, h * dim + (c0 * out_vecs + c) * lanes + lane] = out_acc[
-                                r, c, lane] / total[(r2 * OUT_ROWS + r) // lanes, (r2 * OUT_ROWS + r) % lanes]
+            rows_block(q, out, keys, values, task // blocks, task // blocks // group * dim, task % blocks * block,
+                       pos + task % blocks * block, T.min(pos + n, pos + task % blocks * block + block),
+                       lambda j: T.min(j, ctx - 1) * kv_width)
+
+    return attention
+
+
+def paged_attention(func: tirx.PrimFunc, attrs: dict, lanes: int) -> tirx.PrimFunc | None:
+    """The `paged_attention` op's kernel: each block of rows that is a run of consecutive positions of one
+    sequence (a prefill chunk) as a block, every other row (decodes, padding, a chunk's ragged end) on its own;
+    or None when head_dim is not whole SIMD vectors."""
+    q_buf, k_buf, _, table_buf = func.params[:4]
+    pages, page_size, kv_width = (int(d) for d in k_buf.shape)
+    seqs, width = (int(d) for d in table_buf.shape)
+    shape = _Shape(q_buf, width * page_size, attrs, lanes)
+    if shape.dim % lanes:
+        return None
+    rows, heads, dim, group = shape.rows, shape.heads, shape.dim, shape.group
+    block = shape.block if shape.blocked else rows
+    blocks = rows // block
+    rows_block, one_row = _block_macro(shape), _row_macro(shape)
+    page_floats = page_size * kv_width
+
+    @T.macro
+    def single_rows(q, out, keys, values, table, row_of, pos_of, h, t0):
+        for r in range(block):
+            one_row(q, out, keys, values, h, h // group * dim, t0 + r, pos_of[t0 + r],
+                    lambda j: T.max(table[row_of[t0 + r], j // page_size], 0) * page_floats + j % page_size * kv_width)
+
+    @T.macro
+    def chunk_or_rows(q, out, keys, values, table, row_of, pos_of, h, t0):
+        seq = row_of[t0]
+        if row_of[t0 + block - 1] == seq and pos_of[t0 + block - 1] == pos_of[t0] + block - 1:
+            rows_block(q, out, keys, values, h, h // group * dim, t0, pos_of[t0], pos_of[t0] + block,
+                       lambda j: T.max(table[seq, j // page_size], 0) * page_floats + j % page_size * kv_width)
+        else:
+            single_rows(q, out, keys, values, table, row_of, pos_of, h, t0)
+
+    task_body = chunk_or_rows if shape.blocked else single_rows
+
+    @T.prim_func(check_well_formed=False)
+    def attention(q: T.Buffer((rows, heads * dim), "float32"), kp: T.Buffer((pages, page_size, kv_width), "float32"),
+                  vp: T.Buffer((pages, page_size, kv_width), "float32"), table: T.Buffer((seqs, width), "int32"),
+                  row_of: T.Buffer((rows,), "int32"), pos_of: T.Buffer((rows,), "int32"),
+                  out: T.Buffer((rows, heads * dim), "float32")):
+        keys = T.decl_buffer((pages * page_floats,), "float32", data=kp.data)
+        values = T.decl_buffer((pages * page_floats,), "float32", data=vp.data)
+        for task in T.parallel(heads * blocks):
+            task_body(q, out, keys, values, table, row_of, pos_of, task // blocks, task % blocks * block)
 
     return attention

@@ -40,11 +40,14 @@ def test_manifest_describes_the_build(tiny_factory):
     m = json.loads((artifact / MANIFEST).read_text())
     assert m["model_type"] == "qwen2" and m["target"]["kind"] == "llvm"
     assert m["buckets"] == {"prefill_tokens": [8, 16], "context": [64, 128], "batch_rows": [], "kv_pages": 0,
-                            "kv_block": 16}
+                            "kv_block": 16, "legacy_attention": False}
     assert m["kind"] == "ruda-artifact" and set(m["files"]) == {"model.so"} and len(m["files"]["model.so"]) == 64
     assert len(m["ir_hash"]) == 64 and len(m["config_hash"]) == 64 and m["tvm_version"]
     assert "decode_c64" in m["functions"] and "prefill_t16_c128" in m["functions"]
     assert any(k.startswith("attention_") for k in m["kernels"])
+    decode = {spec["name"]: (spec["role"], spec["layer"]) for spec in m["inputs"]["decode"]}
+    assert decode["ids"] == ("token_ids", None) and decode["k_cache.1"] == ("k_cache", 1)
+    assert set(m["inputs"]) == {"prefill", "decode"}  # no batched steps built
     assert (artifact / "ir.txt").read_text().startswith("program qwen2")
 
 

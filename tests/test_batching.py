@@ -19,12 +19,14 @@ from runtime import (
     generate,
 )
 
-BATCH_BUILD = dict(prefill_buckets=(8, 32), context_buckets=(64,), batch_rows=(1, 4, 8), kv_pages=40, kv_block=8)
+BATCH_BUILD = dict(prefill_buckets=(8, 32), context_buckets=(64,), batch_rows=(1, 4, 8), kv_pages=40, kv_block=8,
+                   legacy_attention=True)
 
 
-def _batched_model(root, arch):
+def _batched_model(root, arch, **options):
     model_dir = write_tiny_checkpoint(root / "model", arch=arch, dtype="bfloat16", seed=4)
-    return CompiledModel(model_dir, build(model_dir, out=root / "artifact", quiet=True, **BATCH_BUILD).path)
+    build_options = {**BATCH_BUILD, **options}
+    return CompiledModel(model_dir, build(model_dir, out=root / "artifact", quiet=True, **build_options).path)
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +34,13 @@ def model(tmp_path_factory):
     return _batched_model(tmp_path_factory.mktemp("batch"), "qwen2")
 
 
-def test_llama_batches_equal_solo_runs(tmp_path):
-    llama = _batched_model(tmp_path, "llama")
+def test_llama_batches_equal_solo_runs(tmp_path, monkeypatch):
+    llama = _batched_model(tmp_path, "llama", legacy_attention=False)  # the fused path only, the default
+    monkeypatch.setenv("RUDA_PAGED_ATTENTION", "legacy")
+    with pytest.raises(GenerationError, match="no legacy attention path; rebuild with --legacy-paged-attention: "
+                                              "python -m compiler build .* --legacy-paged-attention"):
+        llama.new_batch_cache()
+    monkeypatch.delenv("RUDA_PAGED_ATTENTION")
     prompts = _prompts(12, llama.config.vocab_size, seed=7)
     configs = [GreedyGenerationConfig(10, eos_token_ids=[]) for _ in prompts]
     executor = BatchExecutor(llama, ContinuousBatchConfig(8, 32), PagedKvCacheConfig(8, 16, 64))
@@ -70,6 +77,7 @@ def test_preemption_under_a_tiny_page_budget_keeps_every_token(model, attention_
     executor = BatchExecutor(model, ContinuousBatchConfig(4, 16), PagedKvCacheConfig(8, 12, 64))
     for prompt, config, finished in zip(prompts, configs, _run_all(executor, prompts, configs)):
         assert finished.generated_token_ids == generate(model, prompt, config).generated_token_ids
+    assert executor.scheduler.stats.preemptions > 0
 
 
 def test_shared_prefixes_give_solo_tokens(model, attention_path):
@@ -79,6 +87,8 @@ def test_shared_prefixes_give_solo_tokens(model, attention_path):
     executor = BatchExecutor(model, ContinuousBatchConfig(4, 32))
     for prompt, config, finished in zip(prompts, configs, _run_all(executor, prompts, configs)):
         assert finished.generated_token_ids == generate(model, prompt, config).generated_token_ids
+    stats = executor.scheduler.stats
+    assert stats.prefix_hit_pages >= 4 and stats.copy_on_write >= 1  # the bare prefix recomputes its last token
 
 
 def test_sampled_requests_keep_their_own_seeded_streams(model):
@@ -126,6 +136,7 @@ def test_generate_cli_serves_a_file_of_prompts(model, tmp_path):
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert lines[0]["event"] == "load" and lines[-1]["event"] == "summary" and lines[-1]["requests"] == 3
+    assert lines[-1]["scheduler"]["batches"] >= 6 and lines[-1]["scheduler"]["preemptions"] == 0
     results = sorted((line for line in lines if line["event"] == "result"), key=lambda line: line["index"])
     pipeline = load_pipeline(model.model_dir, model.artifact)
     for prompt, line in zip(prompts, results):
@@ -146,3 +157,37 @@ def test_copy_page_copies_one_page_of_every_kv_arena_on_the_device(model):
         want = values.copy()
         want[7] = values[3]
         np.testing.assert_array_equal(tensor.numpy(), want)
+
+
+def test_a_failed_step_is_recovered_and_the_others_keep_their_tokens(model, monkeypatch):
+    """The first run of a step function fails: the executor rebuilds its cache, the requests recompute, and
+    every request still gets its solo tokens; one whose steps always fail finishes with "error"."""
+    prompts = _prompts(6, model.config.vocab_size, seed=9)
+    configs = [GreedyGenerationConfig(6, eos_token_ids=[]) for _ in prompts]
+    executor = BatchExecutor(model, ContinuousBatchConfig(4, 32))
+    real = dict(model._functions)
+    failed = []
+
+    def flaky(name):
+        def run(*args):
+            if not failed:
+                failed.append(name)
+                raise RuntimeError("device append failed")
+            return real[name](*args)
+        return run
+
+    for name in real:
+        monkeypatch.setitem(model._functions, name, flaky(name))
+    for prompt, config, finished in zip(prompts, configs, _run_all(executor, prompts, configs)):
+        assert finished.generated_token_ids == generate(model, prompt, config).generated_token_ids
+    assert failed and executor.scheduler.stats.cache_resets == 1 and "device append failed" in str(executor.last_error)
+
+    def broken(*args):
+        raise RuntimeError("always fails")
+
+    for name in real:
+        monkeypatch.setitem(model._functions, name, broken)
+    executor = BatchExecutor(model, ContinuousBatchConfig(4, 32))
+    executor.submit([1, 2, 3], GreedyGenerationConfig(4))
+    (finished,) = list(executor.run())
+    assert finished.finish_reason == "error" and executor.scheduler.stats.cache_resets == BatchExecutor.MAX_FAILURES

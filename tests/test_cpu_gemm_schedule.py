@@ -41,3 +41,25 @@ def test_linear_matches_numpy(rows, depth, cols, dtype, bias):
     want = x.astype(np.float64) @ w.astype(np.float64).T + (b.astype(np.float64) if bias else 0)
     got = linear(x, w, b)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+
+
+@pytest.mark.parametrize("mcpu", [None, "x86-64-v3"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("depth,cols", [(64, 36), (3072, 48)])  # the second: tasks of 16 rows, several depth blocks
+def test_multi_row_gemv_reads_each_weight_once_for_every_row(mcpu, rows, dtype, bias, depth, cols):
+    """Decode steps of a few sequences: the weight-streaming kernel (all rows per weight read) is the one used."""
+    target = cpu_target(mcpu) if mcpu else TARGET
+    x = RNG.standard_normal((rows, depth)).astype(np.float32)
+    w = (RNG.standard_normal((cols, depth)) * depth ** -0.5).astype(NP_DTYPES[dtype])
+    b = RNG.standard_normal(cols).astype(NP_DTYPES[dtype]) if bias else None
+    inputs = [x, w] + ([b] if bias else [])
+    kernel = make_kernel("linear", [TensorType(a.shape, str(a.dtype)) for a in inputs], {})
+    written = cpu._rows_gemv(kernel.func, target.lanes)
+    assert (written is None) == (rows == 1 and dtype == "float32")  # one float32 row: the scheduled GEMV
+    lib = tvm.compile(cpu.schedule(kernel.func, "linear", target.lanes), target.tvm_target())
+    out = tvm.runtime.empty((rows, cols), "float32", tvm.cpu())
+    lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)
+    want = x.astype(np.float64) @ w.astype(np.float64).T + (b.astype(np.float64) if bias else 0)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))

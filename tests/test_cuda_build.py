@@ -225,9 +225,10 @@ def test_every_op_compiles_to_ptx_through_the_direct_path(kind, types, attrs, tm
 
 @pytest.mark.parametrize("arch_name", ["qwen2", "qwen3_5"])
 def test_batched_steps_build_for_cuda(checkpoints, tmp_path, arch_name):
-    out = _build(checkpoints[arch_name], tmp_path / "artifact", batch_rows=(1, 4), kv_pages=32, kv_block=8).path
+    out = _build(checkpoints[arch_name], tmp_path / "artifact", batch_rows=(1, 4), kv_pages=32, kv_block=8,
+                 legacy_attention=True).path
     manifest = json.loads((out / "manifest.json").read_text())
-    assert {"step_t16_r4", "gather_t16_r4"} <= set(manifest["functions"])
+    assert {"step_t1_r1", "step_t4_r4", "step_t16_r4", "gather_t16_r4"} <= set(manifest["functions"])
     kinds = {"paged_attention", "gather_pages", "padded_attention"} | (
         {"batch_causal_conv1d", "batch_gated_delta_rule"} if arch_name == "qwen3_5" else set())
     assert all(any(k.startswith(kind + "_") for k in manifest["kernels"]) for kind in kinds)

@@ -21,6 +21,7 @@ from ir import (
     Op,
     Param,
     Program,
+    Role,
     TensorType,
     eliminate_dead_values,
     format_program,
@@ -73,9 +74,9 @@ def _wrap(graph: Graph, params=PARAMS) -> Program:
 
 def _builder() -> tuple[GraphBuilder, str, str, str]:
     g = GraphBuilder("g", PARAMS)
-    x = g.input("x", (TOKENS, HIDDEN), F32)
-    pos = g.input("pos", (), I32)
-    n = g.input("n", (), I32)
+    x = g.input("x", (TOKENS, HIDDEN), F32, "input_embeddings")
+    pos = g.input("pos", (), I32, "start_position")
+    n = g.input("n", (), I32, "token_count")
     return g, x, pos, n
 
 
@@ -91,7 +92,7 @@ def _small_graph() -> Graph:
 def _cache_graph() -> Graph:
     """kv_append onto a runtime cache input, returning the appended cache."""
     g, x, pos, n = _builder()
-    cache = g.input("cache", (CONTEXT, KV), F32)
+    cache = g.input("cache", (CONTEXT, KV), F32, "k_cache", 0)
     k = g.op("linear", [x, "k_proj.w"], "k")
     new_cache = g.op("kv_append", [cache, k, pos, n], "cache2")
     return g.finish([new_cache])
@@ -103,7 +104,7 @@ def _cache_graph() -> Graph:
 
 def test_builder_infers_types():
     g, x, pos, n = _builder()
-    cache = g.input("cache", (CONTEXT, KV), F32)
+    cache = g.input("cache", (CONTEXT, KV), F32, "k_cache", 0)
     assert g.type_of(x) == _t(TOKENS, HIDDEN)
     h = g.op("rms_norm", [x, "norm.w"], "h", eps=1e-6)
     k = g.op("linear", [h, "k_proj.w"], "k")
@@ -126,7 +127,7 @@ def test_builder_rejects_undefined_and_duplicate_values():
     with pytest.raises(IRError, match="not defined"):
         g.op("add", [x, "nope"], "y")
     with pytest.raises(IRError, match="defined twice"):
-        g.input("x", (TOKENS, HIDDEN), F32)
+        g.input("x", (TOKENS, HIDDEN), F32, "input_embeddings")
     with pytest.raises(IRError, match="defined twice"):
         g.op("add", [x, x], "norm.w")  # a value may not take a param's name
     with pytest.raises(IRError, match="not defined"):
@@ -205,6 +206,14 @@ def test_verify_rejects_value_defined_twice():
     # an input shadowing a param, or given twice
     _rejects(replace(g, inputs=[*g.inputs, "norm.w"]), "shadows")
     _rejects(replace(g, inputs=[*g.inputs, "x"]), "shadows")
+
+
+@pytest.mark.parametrize("role", [None, Role("hidden_states"), Role("k_cache"), Role("token_ids", 3)])
+def test_verify_rejects_an_input_without_a_valid_role(role):
+    """Every input has a known role (the runtime fills inputs by role); state roles, and only they, name a layer."""
+    g = _small_graph()
+    roles = {k: v for k, v in g.roles.items() if k != "n"} | ({"n": role} if role else {})
+    _rejects(replace(g, roles=roles), "no valid role")
 
 
 @pytest.mark.parametrize("wrong", [_t(TOKENS, HIDDEN + 1), _t(TOKENS, HIDDEN, dtype="float16"), _t(HIDDEN), None])
@@ -478,8 +487,8 @@ def test_printer_shows_params_entries_ops_and_abbreviates_long_attrs():
 
 def test_printer_keeps_short_lists():
     g = GraphBuilder("g", PARAMS)
-    x = g.input("x", (TOKENS, HIDDEN), F32)
-    pos = g.input("pos", (), I32)
+    x = g.input("x", (TOKENS, HIDDEN), F32, "input_embeddings")
+    pos = g.input("pos", (), I32, "start_position")
     y = g.op("rope", [x, pos], "y", head_dim=4, inv_freq=[1.0, 0.5])
     text = format_program(_wrap(g.finish([y])))
     assert "inv_freq=[1.0, 0.5]" in text
@@ -523,7 +532,7 @@ def test_stable_hash_is_stable_and_sensitive():
 
 def test_from_json_refuses_unknown_format():
     d = json.loads(to_json(_program("qwen2")))
-    for version in (2, 0, None, "1"):
+    for version in (1, 3, 0, None, "2"):
         bad = {**d, "format": version}
         with pytest.raises(ValueError, match="format"):
             from_json(json.dumps(bad))
@@ -588,7 +597,7 @@ def test_fuse_add_rms_norm_two_norms_of_one_sum():
 
 def test_eliminate_dead_values():
     g, x, pos, n = _builder()
-    cache = g.input("cache", (CONTEXT, KV), F32)
+    cache = g.input("cache", (CONTEXT, KV), F32, "k_cache", 0)
     k = g.op("linear", [x, "k_proj.w"], "k")
     g.op("kv_append", [cache, k, pos, n], "cache2")  # output unused, but it writes the cache: kept
     dead1 = g.op("linear", [x, "proj.w"], "dead1")
@@ -610,3 +619,20 @@ def test_eliminate_dead_values_keeps_unused_inputs_and_live_graphs():
     assert eliminate_dead_values(g) == g
     cache = _cache_graph()
     assert eliminate_dead_values(cache) == cache
+
+
+def test_weight_map_transforms_are_checked_and_implemented():
+    """Each param names the checkpoint tensors it is made from and a known transform, which the loader has."""
+    from ir.graph import WEIGHT_TRANSFORMS
+    from runtime.weights import TRANSFORMS
+
+    assert set(TRANSFORMS) == set(WEIGHT_TRANSFORMS)
+    program = _program("qwen2")
+    name = next(iter(program.params))
+    assert program.params[name].source_tensors == (name,)  # float checkpoints: each param is its own tensor
+    for changed, match in [({"transform": "dequantise"}, "transform 'dequantise'"),
+                           ({"sources": ("a", "b")}, "copy: one source")]:
+        bad = replace(program, params={**program.params, name: replace(program.params[name], **changed)})
+        with pytest.raises(IRError, match=match):
+            verify(bad)
+    assert from_json(to_json(program)).params == program.params

@@ -14,7 +14,7 @@ from compiler.kernels import KERNELS, make_kernel
 from compiler.target import cpu_target
 from ir import OPS, TensorType, infer_types
 from schedules import cpu
-from schedules.cpu_attention import prefill_attention
+from schedules.cpu_attention import paged_attention, prefill_attention
 
 TARGET = cpu_target()
 RNG = np.random.default_rng(0)
@@ -171,6 +171,41 @@ def test_paged_attention_over_scattered_pages(heads, kv_heads):
     attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "scale": head_dim ** -0.5}
     got = run_kernel("paged_attention", [q, k_pages, v_pages, table, row_of, pos_of], attrs)[0]
     close(got, ref.paged_attention(q, k_pages, v_pages, table, row_of, pos_of, **attrs), tol=1e-4)
+
+
+@pytest.mark.parametrize("lanes_target", ["native", "x86-64-v3"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 1)])
+def test_written_paged_attention_blocks_chunks_and_single_rows(lanes_target, heads, kv_heads):
+    """The hand-written paged kernel: a 16-row prefill chunk (one block, when rows fill SIMD vectors), the chunk's
+    ragged end, decode tokens of other sequences, and padding, over scattered pages whose unwritten slots hold
+    NaN (never read)."""
+    head_dim, block, pages = 16, 4, 24
+    k_pages, v_pages = rand(pages, block, kv_heads * head_dim), rand(pages, block, kv_heads * head_dim)
+    table = np.full((3, 8), -1, dtype=np.int32)
+    table[0, :4] = [9, 2, 17, 4]  # positions 0..13 written (a decode token at 13)
+    table[1, :6] = [3, 11, 0, 20, 7, 15]  # positions 0..23 (a chunk 3..18, then 19..23)
+    table[2, :1] = [21]  # position 0
+    for row, last in ((0, 13), (1, 23), (2, 0)):
+        for p in range(last + 1, 32):
+            if table[row, p // block] >= 0:
+                k_pages[table[row, p // block], p % block] = np.nan
+                v_pages[table[row, p // block], p % block] = np.nan
+    row_of = np.zeros(32, dtype=np.int32)
+    pos_of = np.zeros(32, dtype=np.int32)
+    row_of[:21], pos_of[:21] = 1, np.arange(3, 24)
+    row_of[21], pos_of[21] = 0, 13
+    row_of[22], pos_of[22] = 2, 0  # then padding: row 0, position 0
+    q = rand(32, heads * head_dim)
+    attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "scale": head_dim ** -0.5}
+    inputs = [q, k_pages, v_pages, table, row_of, pos_of]
+    types = [TensorType(a.shape, str(a.dtype)) for a in inputs]
+    target = TARGET if lanes_target == "native" else cpu_target(lanes_target)
+    func = make_kernel("paged_attention", types, attrs).func
+    assert paged_attention(func, attrs, target.lanes) is not None
+    out = tvm.runtime.empty(q.shape, "float32", tvm.cpu())
+    lib = tvm.compile(cpu.schedule(func, "paged_attention", target.lanes, attrs=attrs), target.tvm_target())
+    lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)
+    close(out.numpy(), ref.paged_attention(q, k_pages, v_pages, table, row_of, pos_of, **attrs), tol=1e-4)
 
 
 def test_take_rows():

@@ -167,6 +167,8 @@ def test_streaming_deltas_join_to_the_full_text(qwen2, sampled):
 class ScriptedModel:
     """Stands in for a compiled model: its logits always pick the next token of a script."""
 
+    max_context = 1024
+
     def __init__(self, script, vocab):
         self.script, self.vocab, self.step = list(script), vocab, 0
 
@@ -278,7 +280,7 @@ def test_missing_or_broken_tokenizer(tmp_path):
 
 def test_incremental_detokenizer_decodes_a_bounded_window(qwen2):
     """Streaming cost per token does not grow with the reply: each step decodes only the last few tokens."""
-    from runtime.pipeline import IncrementalDetokenizer
+    from runtime.request import IncrementalDetokenizer
 
     ids = qwen2.encode("The quick brown fox jumps over the lazy dog. " * 8, add_special_tokens=False)
     widths = []

@@ -76,9 +76,10 @@ class Executor:
         self.finished: dict[int, FinishedRequest] = {}
         self.recomputed: set[int] = set()
         self.batches: list[ScheduledBatch] = []
+        self.aborted: set[int] = set()
 
-    def submit(self, prompt, generation) -> int:
-        request_id = self.scheduler.submit(prompt, generation)
+    def submit(self, prompt, generation, detokenizer=None) -> int:
+        request_id = self.scheduler.submit(prompt, generation, detokenizer)
         self.histories[request_id] = list(prompt)
         self.requests[request_id] = (list(prompt), generation)
         return request_id
@@ -105,6 +106,7 @@ class Executor:
             assert row.context_length == row.start_position + len(row.token_ids)
             assert row.token_ids == history[row.start_position:row.context_length]  # start = tokens before it
             assert len(row.page_table) == pages_for(row.context_length, self.kv.block_size)
+            assert row.final == (row.context_length == len(history))
             if batch.kind is BatchKind.DECODE:
                 assert len(row.token_ids) == 1 and row.context_length == len(history)
             elif len(history) > len(self.requests[row.request_id][0]):
@@ -119,15 +121,15 @@ class Executor:
         tokens = self.run(batch)
         self.scheduler.complete_batch(batch.id, tokens)
         for row, token in zip(batch.sequences, tokens):
-            history = self.histories[row.request_id]
-            if row.context_length == len(history):
-                history.append(token)
+            if row.final and row.request_id not in self.aborted:  # an aborted request's token is discarded
+                self.histories[row.request_id].append(token)
         self.collect()
 
     def fail(self, batch: ScheduledBatch) -> None:
         """Fail the batch after a partial device run that wrote garbage into its pages."""
         self.write(batch, garbage=True)
         self.scheduler.fail_batch(batch.id)
+        self.collect()
 
     def collect(self) -> None:
         for done in self.scheduler.pop_finished():
@@ -153,8 +155,22 @@ class Executor:
         for request_id, (prompt, generation) in self.requests.items():
             done = self.finished[request_id]
             assert done.prompt_token_ids == prompt
-            expected = solo_run(prompt, generation, self.kv.max_sequence_length, default_eos)
-            assert (done.generated_token_ids, done.finish_reason) == expected
+            expected, reason = solo_run(prompt, generation, self.kv.max_sequence_length, default_eos)
+            if done.finish_reason == "abort":  # stopped early: what it generated is the start of its solo run
+                assert request_id in self.aborted and expected[:len(done.generated_token_ids)] == done.generated_token_ids
+            else:
+                assert (done.generated_token_ids, done.finish_reason) == (expected, reason)
+
+    def abort(self, request_id: int) -> bool:
+        self.aborted.add(request_id)
+        aborted = self.scheduler.abort(request_id)
+        self.collect()
+        return aborted
+
+    def lose_device_state(self) -> None:
+        """What the executor does after a failed step: a new (garbage) arena, and the scheduler told so."""
+        self.arena = [[GARBAGE] * self.kv.block_size for _ in range(self.kv.num_pages)]
+        self.scheduler.reset_cache()
 
 
 def make(max_active=4, max_tokens=16, block_size=4, num_pages=32, max_len=64, default_eos=()):
@@ -340,19 +356,23 @@ def test_chunked_prefill_respects_the_token_budget_and_discards_chunk_tokens():
     executor.check_solo()
 
 
-def test_long_prompt_chunks_alternate_with_decodes():
+def test_long_prompt_is_chunked_beside_running_decodes():
+    """Mixed batches: the running sequence decodes in every batch while the long prompt fills the rest of the
+    token budget, chunk by chunk."""
     scheduler, executor = make(max_tokens=4, max_active=2)
     short = executor.submit([1, 2], greedy(max_new_tokens=20))
     executor.complete(scheduler.schedule())
     long = executor.submit(list(range(16)), greedy(max_new_tokens=2))
-    kinds = []
+    batches = []
     while long not in executor.finished or short not in executor.finished:
         batch = scheduler.schedule()
-        kinds.append((batch.kind, [row.request_id for row in batch.sequences]))
+        batches.append(batch)
         executor.complete(batch)
-    prefills = [i for i, (kind, _) in enumerate(kinds) if kind is BatchKind.PREFILL]
-    assert len(prefills) == 4  # 16 tokens in chunks of 4
-    assert all(kinds[i + 1][0] is BatchKind.DECODE for i in prefills)  # a decode after every chunk
+    chunks = [b for b in batches if any(row.request_id == long and not row.final for row in b.sequences)]
+    assert [len(b.sequences[1].token_ids) for b in chunks] == [3, 3, 3, 3, 3]  # 16 tokens: 5 chunks + the last one
+    assert all(b.kind is BatchKind.PREFILL and b.sequences[0].request_id == short for b in chunks)
+    assert all(sum(len(row.token_ids) for row in b.sequences) <= 4 for b in batches)
+    assert scheduler.stats.mixed_batches == len(chunks) + 1
     executor.check_solo()
 
 
@@ -375,6 +395,7 @@ def test_preemption_under_a_tiny_page_budget_matches_solo_runs():
         executor.submit([i, i + 1, i + 2, 1 + i % 3][: 2 + i % 3], greedy(max_new_tokens=6 + i % 3))
     executor.drain()
     assert executor.recomputed, "the page budget should have forced a preemption"
+    assert scheduler.stats.preemptions >= len(executor.recomputed)
     executor.check_solo()
     assert scheduler.free_pages == scheduler.num_pages
     scheduler.check_invariants()
@@ -385,39 +406,74 @@ def test_preemption_under_a_tiny_page_budget_matches_solo_runs():
 def test_shared_prefix_pages_and_copy_on_write():
     scheduler, executor = make(block_size=4, num_pages=16, max_tokens=32)
     prefix = [3, 1, 4, 1, 5, 9, 2, 6]  # two full pages
-    executor.submit(prefix + [5, 3], greedy(max_new_tokens=3))
+    a = executor.submit(prefix + [5, 3], greedy(max_new_tokens=3))
     executor.complete(scheduler.schedule())
-    a_pages = scheduler.num_pages - scheduler.free_pages
-    assert a_pages == 3
+    assert scheduler.num_pages - scheduler.free_pages == 3
 
     b = executor.submit(prefix + [8], greedy(max_new_tokens=3))
-    batch = scheduler.schedule()
-    assert batch.kind is BatchKind.DECODE
-    executor.complete(batch)
     free_before = scheduler.free_pages
-    batch = scheduler.schedule()
-    row, = batch.sequences
-    assert batch.kind is BatchKind.PREFILL and row.request_id == b
-    assert row.start_position == 8 and row.token_ids == [8]  # the shared prefix is not recomputed
-    a_table = executor.batches[-1].sequences[0].page_table
-    assert row.page_table[:2] == a_table[:2] and batch.copies == []
+    batch = scheduler.schedule()  # a decodes, b is admitted beside it
+    a_row, b_row = batch.sequences
+    assert batch.kind is BatchKind.PREFILL and (a_row.request_id, b_row.request_id) == (a, b)
+    assert b_row.start_position == 8 and b_row.token_ids == [8]  # the shared prefix is not recomputed
+    assert b_row.page_table[:2] == a_row.page_table[:2] and batch.copies == []
     assert scheduler.free_pages == free_before - 1  # only b's own last page is new
+    assert scheduler.stats.prefix_hit_pages == 2 and scheduler.stats.copy_on_write == 0
     executor.complete(batch)
 
     c = executor.submit(list(prefix), greedy(max_new_tokens=3))  # fully cached: recompute the last token only
     batch = scheduler.schedule()
-    if batch.kind is BatchKind.DECODE:
-        executor.complete(batch)
-        batch = scheduler.schedule()
-    row, = batch.sequences
+    row = batch.sequences[-1]
     assert row.request_id == c and row.start_position == 7 and row.token_ids == [6]
-    assert row.page_table[0] == a_table[0] and row.page_table[1] != a_table[1]
-    assert batch.copies == [(a_table[1], row.page_table[1])]
+    assert row.page_table[0] == a_row.page_table[0] and row.page_table[1] != a_row.page_table[1]
+    assert batch.copies == [(a_row.page_table[1], row.page_table[1])]
+    assert scheduler.stats.prefix_hit_pages == 4 and scheduler.stats.copy_on_write == 1
     scheduler.check_invariants()
     executor.complete(batch)
     executor.drain()
     executor.check_solo()
     assert scheduler.free_pages == scheduler.num_pages
+
+
+def test_prefix_cache_outlives_its_requests():
+    """A finished request's full pages stay indexed: the same prompt later computes only its last token."""
+    scheduler, executor = make(block_size=4, num_pages=8, max_tokens=32)
+    prompt = list(range(1, 10))  # two full pages and one token
+    first = executor.submit(prompt, greedy(max_new_tokens=2))
+    executor.drain()
+    assert first in executor.finished and scheduler.free_pages == scheduler.num_pages
+    assert scheduler.cached_pages == 2  # the two full prompt pages (the third page was never full)
+    again = executor.submit(prompt, greedy(max_new_tokens=2))
+    batch = scheduler.schedule()
+    row, = batch.sequences
+    assert row.request_id == again and row.start_position == 8 and row.token_ids == [9]
+    assert scheduler.stats.prefix_hit_pages == 2
+    executor.complete(batch)
+    executor.drain()
+    executor.check_solo()
+
+
+def test_cached_pages_are_evicted_least_recently_released_first():
+    scheduler, executor = make(block_size=2, num_pages=4, max_tokens=32, max_len=8)
+    old = executor.submit([1, 1, 1], greedy(max_new_tokens=1))  # caches page [1, 1]
+    executor.drain()
+    recent = executor.submit([2, 2, 2], greedy(max_new_tokens=1))  # caches page [2, 2]
+    executor.drain()
+    assert scheduler.cached_pages == 2 and scheduler.stats.evicted_pages == 0
+    executor.submit([3, 3, 3, 3, 3], greedy(max_new_tokens=1))  # three pages: both plain free ones, then one cached
+    executor.drain()
+    assert scheduler.stats.evicted_pages == 1
+    hit = executor.submit([2, 2, 2], greedy(max_new_tokens=1))
+    batch = scheduler.schedule()
+    assert batch.sequences[0].start_position == 2  # the recently released page survived
+    executor.complete(batch)
+    missed = executor.submit([1, 1, 1], greedy(max_new_tokens=1))
+    batch = scheduler.schedule()
+    assert batch.sequences[0].start_position == 0  # the older one was evicted
+    executor.complete(batch)
+    executor.drain()
+    executor.check_solo()
+    assert {old, recent, hit, missed} <= set(executor.finished)
 
 
 def test_shared_pages_outlive_their_first_user():
@@ -427,13 +483,12 @@ def test_shared_pages_outlive_their_first_user():
     executor.complete(scheduler.schedule())
     assert a in executor.finished and scheduler.free_pages == scheduler.num_pages
     b = executor.submit(prefix + [2], greedy(max_new_tokens=4))
-    executor.complete(scheduler.schedule())
+    batch = scheduler.schedule()
+    assert batch.sequences[0].start_position == 4  # a's pages, cached after it finished
+    executor.complete(batch)
     c = executor.submit(prefix + [3], greedy(max_new_tokens=1))
     batch = scheduler.schedule()
-    while c not in {row.request_id for row in batch.sequences}:
-        executor.complete(batch)
-        batch = scheduler.schedule()
-    assert batch.sequences[0].start_position == 4
+    assert [(row.request_id, row.start_position) for row in batch.sequences] == [(b, 5), (c, 4)]
     executor.complete(batch)
     executor.drain()
     executor.check_solo()
@@ -492,7 +547,7 @@ def test_fail_batch_after_preemption_keeps_the_victims_preempted():
     assert batch.kind is BatchKind.DECODE and [row.request_id for row in batch.sequences] == [a, b]
     executor.fail(batch)  # the failed run wrote garbage into a page c held
     victim = scheduler._waiting[0]
-    assert victim.id == c and not victim.pages and victim.num_computed == 0 and victim.generated
+    assert victim.id == c and not victim.pages and victim.num_computed == 0 and victim.state.generated
     assert scheduler._snapshot().running == before.running[:2] and scheduler.free_pages == 3
     scheduler.check_invariants()
     executor.drain()
@@ -537,6 +592,109 @@ def test_check_invariants_catches_a_leak():
     scheduler._pool.free.pop()
     with pytest.raises(AssertionError, match="leaked"):
         scheduler.check_invariants()
+
+
+# --- abort, request state, slots, lost device state -----------------------------------------------------------------
+
+def test_abort_frees_pages_at_once_and_reports_the_request():
+    scheduler, executor = make(block_size=2, num_pages=16)
+    running = executor.submit([1, 2, 3], greedy(max_new_tokens=8))
+    executor.complete(scheduler.schedule())
+    waiting = executor.submit([4, 5], greedy(max_new_tokens=8))
+    held = scheduler.num_pages - scheduler.free_pages
+    assert held == 2 and executor.abort(running) and executor.abort(waiting)
+    assert scheduler.free_pages == scheduler.num_pages and scheduler.running_request_ids() == []
+    assert {r: executor.finished[r].finish_reason for r in (running, waiting)} == {running: "abort", waiting: "abort"}
+    assert executor.finished[running].generated_token_ids == executor.histories[running][3:]
+    assert scheduler.stats.aborted == 2 and not executor.abort(running) and not scheduler.abort(99)
+    assert scheduler.schedule() is None
+    scheduler.check_invariants()
+
+
+def test_abort_of_a_request_in_the_outstanding_batch_takes_effect_when_it_completes():
+    scheduler, executor = make()
+    a = executor.submit([1, 2], greedy(max_new_tokens=8))
+    b = executor.submit([3, 4], greedy(max_new_tokens=2))
+    batch = scheduler.schedule()
+    assert executor.abort(a) and a not in executor.finished  # still in the batch
+    executor.complete(batch)
+    assert executor.finished[a].finish_reason == "abort" and executor.finished[a].generated_token_ids == []
+    executor.drain()
+    executor.check_solo()
+    assert b in executor.finished and scheduler.free_pages == scheduler.num_pages
+
+
+def fake_text(ids, skip_special_tokens=False):
+    """A fake tokenizer's decode: token t is the letter chr(97 + t % 26)."""
+    return "".join(chr(97 + t % 26) for t in ids)
+
+
+def test_request_state_decides_eos_length_and_stop_strings_and_streams_text():
+    from runtime.request import IncrementalDetokenizer, RequestState
+
+    def run(tokens, **options):
+        state = RequestState([0], options.pop("max_new", 10), options.pop("eos", ()), 100,
+                             detokenizer=IncrementalDetokenizer(fake_text, False), **options)
+        deltas = [state.append(t) for t in tokens if state.finish_reason is None]
+        return "".join(deltas), state.finish_reason, state.generated
+    assert run([7, 4, 11, 11, 14]) == ("hello", None, [7, 4, 11, 11, 14])
+    assert run([7, 4, 11, 11, 14], stop_strings=["ll"]) == ("hell", "stop_string", [7, 4, 11, 11])
+    assert run([7, 4, 11], eos=[4], stop_strings=["e"]) == ("he", "eos", [7, 4])  # EOS decides first
+    assert run([7, 4, 11], max_new=2, stop_strings=["e"]) == ("he", "length", [7, 4])
+    with pytest.raises(ValueError, match="detokenizer"):
+        RequestState([0], 4, (), 100, stop_strings=["x"])
+
+
+def test_stop_strings_and_token_deltas_through_the_scheduler():
+    from runtime.request import IncrementalDetokenizer
+
+    scheduler, executor = make()
+    with pytest.raises(SchedulerError, match="detokenizer"):
+        scheduler.submit([1], GreedyGenerationConfig(stop_strings=["x"]))
+    prompt = [3, 9]
+    generated, _ = solo_run(prompt, greedy(max_new_tokens=20), 64)
+    stop = fake_text(generated[2:4])
+    request = executor.submit(prompt, GreedyGenerationConfig(max_new_tokens=20, stop_strings=[stop]),
+                              IncrementalDetokenizer(fake_text, False))
+    deltas = []
+    while (batch := scheduler.schedule()) is not None:
+        executor.complete(batch)
+        deltas += scheduler.pop_deltas()
+    done = executor.finished[request]
+    cut = fake_text(generated).index(stop) + len(stop)
+    assert done.finish_reason == "stop_string" and done.text == fake_text(generated)[:cut]
+    assert [d.token_id for d in deltas] == done.generated_token_ids
+    assert "".join(d.text for d in deltas) == done.text
+    assert [d.finish_reason for d in deltas] == [None] * (len(deltas) - 1) + ["stop_string"]
+
+
+def test_each_running_request_holds_its_own_slot():
+    scheduler, executor = make(max_active=3, max_tokens=64)
+    ids = [executor.submit([i + 1] * 2, greedy(max_new_tokens=2 + i)) for i in range(5)]
+    seen = {}
+    while (batch := scheduler.schedule()) is not None:
+        slots = [row.slot for row in batch.sequences]
+        assert len(set(slots)) == len(slots) and set(slots) <= {0, 1, 2}
+        for row in batch.sequences:
+            assert seen.setdefault(row.request_id, row.slot) == row.slot  # kept while it runs
+        executor.complete(batch)
+    assert set(seen) == set(ids)
+    executor.check_solo()
+
+
+def test_reset_cache_preempts_every_running_request_and_forgets_the_index():
+    scheduler, executor = make(block_size=2, num_pages=16)
+    a = executor.submit([1, 2, 3, 4, 5], greedy(max_new_tokens=6))
+    executor.complete(scheduler.schedule())
+    executor.submit([6, 6], greedy(max_new_tokens=1))
+    executor.lose_device_state()
+    assert scheduler.running_request_ids() == [] and scheduler.cached_pages == 0
+    assert scheduler.stats.cache_resets == 1 and scheduler.stats.preemptions == 1
+    batch = scheduler.schedule()
+    assert batch.sequences[0].request_id == a and batch.sequences[0].start_position == 0  # recomputed from scratch
+    executor.complete(batch)
+    executor.drain()
+    executor.check_solo()
 
 
 # --- random interleavings -------------------------------------------------------------------------------------------
@@ -587,6 +745,20 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def pop(self):
         self.executor.collect()
+
+    @rule(pick=st.integers(0, 50))
+    def abort(self, pick):
+        unfinished = sorted(set(self.executor.requests) - set(self.executor.finished) - self.executor.aborted)
+        if unfinished:
+            request_id = unfinished[pick % len(unfinished)]
+            assert self.executor.abort(request_id)
+            outstanding = self.batch is not None and request_id in {r.request_id for r in self.batch.sequences}
+            assert outstanding or self.executor.finished[request_id].finish_reason == "abort"
+
+    @precondition(lambda self: self.batch is None)
+    @rule()
+    def lose_device_state(self):
+        self.executor.lose_device_state()
 
     @invariant()
     def consistent(self):
