@@ -67,7 +67,7 @@ def main() -> None:
     for sig, count in uses.items():
         attrs = json.loads(sig.attrs_json)
         kernel = make_kernel(sig.kind, list(sig.types), attrs, target.lanes)
-        lib = tvm.compile(cpu.schedule(kernel.func, sig.kind, target.lanes, target.amx, attrs), target.tvm_target())
+        lib = tvm.compile(cpu.schedule(kernel.func, sig.kind, attrs, target), target.tvm_target())
         inputs = [_random_input(t, rng) for t in sig.types]
         call = [x if isinstance(x, int) else tvm.runtime.tensor(x, dev) for x in inputs]
         call += [tvm.runtime.tensor(c, dev) for c in kernel.constants]

@@ -205,8 +205,7 @@ def _describe(tgt: CpuTarget | CudaTarget) -> str:
 
 def _scheduler(tgt: CpuTarget | CudaTarget):
     def schedule(kernel, kind, attrs):
-        kernel.func = cpu.schedule(kernel.func, kind, tgt.lanes, tgt.amx, attrs) if isinstance(tgt, CpuTarget) \
-            else gpu.schedule(kernel.func, kind)
+        kernel.func = (cpu if isinstance(tgt, CpuTarget) else gpu).schedule(kernel.func, kind, attrs, tgt)
         return kernel
     return schedule
 

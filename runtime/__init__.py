@@ -12,11 +12,13 @@ _EXPORTS = {
     "chat_template": ["ChatMessage", "ChatTemplateError"],
     "engine": ["CompiledModel", "GenerationError", "KVCache"],
     "generation": ["GeneratedTokens", "TokenStream", "generate"],
+    "request": ["IncrementalDetokenizer", "RequestState"],
     "pipeline": ["GeneratedText", "Pipeline", "TextStream", "load_huggingface_llama_pipeline",
                  "load_huggingface_qwen2_pipeline", "load_huggingface_qwen35_text", "load_pipeline"],
     "sampling": ["GenerationConfigError", "GreedyGenerationConfig", "SamplingConfig", "SamplingGenerationConfig"],
     "scheduler": ["BatchKind", "ContinuousBatchConfig", "ContinuousBatchScheduler", "FinishedRequest",
-                  "PagedKvCacheConfig", "RequestId", "ScheduledBatch", "ScheduledSequence", "SchedulerError"],
+                  "PagedKvCacheConfig", "RequestId", "ScheduledBatch", "ScheduledSequence", "SchedulerError",
+                  "SchedulerStats", "TokenDelta"],
     "tokenizer": ["Tokenizer", "TokenizerError", "default_eos_token_ids"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -334,10 +334,12 @@ def _written(func: tirx.PrimFunc, kind: str, lanes: int, amx: bool, attrs: dict 
     return None
 
 
-def schedule(func: tirx.PrimFunc, kind: str, lanes: int, amx: bool = False, attrs: dict | None = None) -> tirx.PrimFunc:
-    """The kernel of an op of `kind` (with the op's `attrs`), for a CPU with `lanes` float32 SIMD lanes (and, with
-    `amx`, prefill products of bfloat16 weights on AMX tiles); exp and sigmoid as vectorisable arithmetic."""
-    written = _written(func, kind, lanes, amx, attrs)
+def schedule(func: tirx.PrimFunc, kind: str, attrs: dict, target) -> tirx.PrimFunc:
+    """The kernel of an op of `kind` (with the op's `attrs`) for a CPU target (`compiler.target.CpuTarget`: its
+    float32 SIMD `lanes`, and with `amx` prefill products of bfloat16 weights on AMX tiles); exp and sigmoid as
+    vectorisable arithmetic."""
+    lanes = target.lanes
+    written = _written(func, kind, lanes, target.amx, attrs)
     if written is None:
         sch = s_tir.Schedule(func)
         SCHEDULES.get(kind, _generic)(sch, lanes)

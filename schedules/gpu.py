@@ -142,8 +142,9 @@ def _gemm(sch: s_tir.Schedule, block) -> None:
 SCHEDULES = {"linear": _linear}
 
 
-def schedule(func: tirx.PrimFunc, kind: str) -> tirx.PrimFunc:
-    """The kernel of an op of `kind`, scheduled for an NVIDIA GPU."""
+def schedule(func: tirx.PrimFunc, kind: str, attrs: dict, target) -> tirx.PrimFunc:
+    """The kernel of an op of `kind`, scheduled for an NVIDIA GPU (the same signature as `schedules.cpu.schedule`;
+    one schedule serves every arch and CUDA path, so `attrs` and `target` are not consulted)."""
     sch = s_tir.Schedule(func)
     SCHEDULES.get(kind, _generic)(sch)
     return sch.mod["main"]

@@ -32,7 +32,7 @@ def run_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> tuple[n
     target = cpu_target(matmul_precision="bfloat16")
     inputs = [x, w] + ([bias] if bias is not None else [])
     kernel = make_kernel("linear", [TensorType(a.shape, str(a.dtype)) for a in inputs], {})
-    lib = tvm.compile(cpu.schedule(kernel.func, "linear", target.lanes, amx=True), target.tvm_target())
+    lib = tvm.compile(cpu.schedule(kernel.func, "linear", {}, target), target.tvm_target())
     enable_amx()
     out = tvm.runtime.empty((x.shape[0], w.shape[0]), "float32", tvm.cpu())
     lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)

@@ -21,7 +21,7 @@ def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
     """Run the scheduled linear kernel on these arrays."""
     inputs = [x, w] + ([bias] if bias is not None else [])
     kernel = make_kernel("linear", [TensorType(a.shape, str(a.dtype)) for a in inputs], {})
-    lib = tvm.compile(cpu.schedule(kernel.func, "linear", TARGET.lanes), TARGET.tvm_target())
+    lib = tvm.compile(cpu.schedule(kernel.func, "linear", {}, TARGET), TARGET.tvm_target())
     dev = tvm.cpu()
     out = tvm.runtime.empty((x.shape[0], w.shape[0]), "float32", dev)
     lib["main"](*[tvm.runtime.tensor(a, dev) for a in inputs], out)
@@ -58,7 +58,7 @@ def test_multi_row_gemv_reads_each_weight_once_for_every_row(mcpu, rows, dtype, 
     kernel = make_kernel("linear", [TensorType(a.shape, str(a.dtype)) for a in inputs], {})
     written = cpu._rows_gemv(kernel.func, target.lanes)
     assert (written is None) == (rows == 1 and dtype == "float32")  # one float32 row: the scheduled GEMV
-    lib = tvm.compile(cpu.schedule(kernel.func, "linear", target.lanes), target.tvm_target())
+    lib = tvm.compile(cpu.schedule(kernel.func, "linear", {}, target), target.tvm_target())
     out = tvm.runtime.empty((rows, cols), "float32", tvm.cpu())
     lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)
     want = x.astype(np.float64) @ w.astype(np.float64).T + (b.astype(np.float64) if bias else 0)

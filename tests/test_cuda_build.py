@@ -124,9 +124,9 @@ def test_direct_path_names_an_op_it_cannot_emit(checkpoints, tmp_path, monkeypat
 
     original = gpu.schedule
 
-    def with_block_reduction(func, kind):
+    def with_block_reduction(func, kind, attrs, target):
         if kind != "rms_norm":
-            return original(func, kind)
+            return original(func, kind, attrs, target)
         sch = gpu.s_tir.Schedule(func)
         block = sch.get_sblock("rms_norm_sumsq")
         row, _, col = sch.get_loops(block)  # rows, groups (one: the whole row), features
@@ -213,7 +213,7 @@ def test_every_op_compiles_to_ptx_through_the_direct_path(kind, types, attrs, tm
     from compiler.kernels import make_kernel
     from schedules import gpu
 
-    ptx = cuda.finish_ptx(direct_ptx(gpu.schedule(make_kernel(kind, types, attrs).func, kind)), [], None)
+    ptx = cuda.finish_ptx(direct_ptx(gpu.schedule(make_kernel(kind, types, attrs).func, kind, attrs, None)), [], None)
     names = re.findall(r"^\.visible \.func (\w+_kernel(?:_\d+)?)\(", ptx, re.M)
     ptx_file = tmp_path / "k.ptx"
     ptx_file.write_text(cuda.finish_ptx(ptx, names, None))
@@ -245,7 +245,7 @@ def test_direct_path_reduces_across_threads_through_shared_memory(rows, uses):
     from schedules import gpu
 
     ptx = direct_ptx(gpu.schedule(make_kernel("linear", [_t((rows, 256)), _t((128, 256), "bfloat16")], {}).func,
-                                  "linear"))
+                                  "linear", {}, None))
     shared = re.findall(r"^\.(?:visible|extern) \.shared .*?\[(\d+)\];", ptx, re.M)
     assert shared and "bar.sync" in ptx and "st.shared" in ptx and "ld.shared" in ptx
     if uses == "tiles":  # an x tile (f32) and a w tile (bf16) of DEPTH_STEP x TILE each

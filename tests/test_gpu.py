@@ -89,9 +89,9 @@ def test_gpu_kernels_match_the_cpu_kernels(case, compiler):
     target, host = cuda.cuda_target("sm_90", compiler), cpu_target()
     cuda.prepare_environment()
     results = []
-    for func, tgt, dev, pipeline in ((gpu.schedule(make_kernel(kind, types, attrs).func, kind), target.tvm_target(),
-                                      tvm.cuda(0), target.tir_pipeline()),
-                                     (cpu.schedule(make_kernel(kind, types, attrs).func, kind, host.lanes, attrs=attrs),
+    for func, tgt, dev, pipeline in ((gpu.schedule(make_kernel(kind, types, attrs).func, kind, attrs, target),
+                                      target.tvm_target(), tvm.cuda(0), target.tir_pipeline()),
+                                     (cpu.schedule(make_kernel(kind, types, attrs).func, kind, attrs, host),
                                       host.tvm_target(), tvm.cpu(), "default")):
         lib = tvm.compile(func, tgt, tir_pipeline=pipeline)
         args = [x if isinstance(x, int) else tvm.runtime.tensor(x, dev) for x in inputs] + \

@@ -25,7 +25,7 @@ def run_kernel(kind: str, inputs: list, attrs: dict) -> list[np.ndarray]:
     """Compile `kind` for these inputs (arrays, or ints for scalars) and return its outputs."""
     types = [TensorType((), "int32") if isinstance(x, int) else TensorType(x.shape, str(x.dtype)) for x in inputs]
     kernel = make_kernel(kind, types, attrs, TARGET.lanes)
-    func = cpu.schedule(kernel.func, kind, TARGET.lanes, attrs=attrs)
+    func = cpu.schedule(kernel.func, kind, attrs, TARGET)
     lib = tvm.compile(func, TARGET.tvm_target())
     dev = tvm.cpu()
     args = [x if isinstance(x, int) else tvm.runtime.tensor(x, dev) for x in inputs]
@@ -123,7 +123,7 @@ def test_prefill_attention_for_an_avx2_cpu(rows, pos, n):
     attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "scale": 0.2}
     types = [TensorType(a.shape, "float32") for a in (q, k, v)] + [TensorType((), "int32")] * 2
     avx2 = cpu_target("x86-64-v3")
-    func = cpu.schedule(make_kernel("attention", types, attrs).func, "attention", avx2.lanes, attrs=attrs)
+    func = cpu.schedule(make_kernel("attention", types, attrs).func, "attention", attrs, avx2)
     assert prefill_attention(make_kernel("attention", types, attrs).func, attrs, avx2.lanes) is not None
     out = tvm.runtime.empty(q.shape, "float32", tvm.cpu())
     tvm.compile(func, avx2.tvm_target())["main"](*[tvm.runtime.tensor(a) for a in (q, k, v)], pos, n, out)
@@ -203,7 +203,7 @@ def test_written_paged_attention_blocks_chunks_and_single_rows(lanes_target, hea
     func = make_kernel("paged_attention", types, attrs).func
     assert paged_attention(func, attrs, target.lanes) is not None
     out = tvm.runtime.empty(q.shape, "float32", tvm.cpu())
-    lib = tvm.compile(cpu.schedule(func, "paged_attention", target.lanes, attrs=attrs), target.tvm_target())
+    lib = tvm.compile(cpu.schedule(func, "paged_attention", attrs, target), target.tvm_target())
     lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)
     close(out.numpy(), ref.paged_attention(q, k_pages, v_pages, table, row_of, pos_of, **attrs), tol=1e-4)
 

@@ -23,7 +23,7 @@ def test_vectorised_math_matches_numpy(name, op, reference):
     x = te.placeholder(values.shape, "float32", name="x")
     func = te.create_prim_func([x, te.compute(x.shape, lambda i: op(x[i]), name=name)])
     target = cpu_target()
-    lib = tvm.compile(cpu.schedule(func, name, target.lanes), target.tvm_target())
+    lib = tvm.compile(cpu.schedule(func, name, {}, target), target.tvm_target())
     out = tvm.runtime.empty(values.shape, "float32", tvm.cpu())
     lib["main"](tvm.runtime.tensor(values), out)
     got = out.numpy()
