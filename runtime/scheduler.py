@@ -599,9 +599,13 @@ class ContinuousBatchScheduler:
         return True
 
     def _writes_shared_page(self, request: _Request, start: int) -> bool:
-        """Whether writing position `start` would hit a page other requests share."""
+        """Whether writing position `start` would hit a page other requests share, or one in the prefix index
+        (taken from the cache: others may take it too, so its content must not change)."""
         index = start // self._kv_config.block_size
-        return index < len(request.pages) and self._pool.refcount[request.pages[index]] > 1
+        if index >= len(request.pages):
+            return False
+        page = request.pages[index]
+        return self._pool.refcount[page] > 1 or self._pool.digest_of[page] is not None
 
     def _fit_end(self, request: _Request, start: int, budget: int) -> int:
         """The end of the longest chunk from `start` that the budget and available pages allow."""

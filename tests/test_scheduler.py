@@ -453,6 +453,26 @@ def test_prefix_cache_outlives_its_requests():
     executor.check_solo()
 
 
+def test_a_page_taken_from_the_prefix_cache_is_never_written_in_place():
+    """A fully cached prompt recomputes its last token into a copy of the cached page, even when no one else holds
+    that page: another request admitted in the same batch may take the cached page too (found by the state
+    machine)."""
+    scheduler, executor = make(max_active=2, max_tokens=2, block_size=2, num_pages=3, max_len=6)
+    executor.submit([1, 2, 3, 4], greedy(max_new_tokens=1))
+    executor.drain()
+    assert scheduler.cached_pages == 2
+    b = executor.submit([1, 2, 3, 4], greedy(max_new_tokens=1))
+    executor.submit([1, 2, 3, 4, 0], greedy(max_new_tokens=1))
+    batch = scheduler.schedule()
+    row = batch.sequences[0]
+    assert row.request_id == b and row.start_position == 3 and len(batch.copies) == 1
+    assert batch.copies[0][1] == row.page_table[1]  # b writes its own copy of the cached page
+    scheduler.check_invariants()
+    executor.complete(batch)
+    executor.drain()
+    executor.check_solo()
+
+
 def test_cached_pages_are_evicted_least_recently_released_first():
     scheduler, executor = make(block_size=2, num_pages=4, max_tokens=32, max_len=8)
     old = executor.submit([1, 1, 1], greedy(max_new_tokens=1))  # caches page [1, 1]
