@@ -16,7 +16,7 @@ import enum
 import hashlib
 import numbers
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field, fields
 from typing import NewType
 
@@ -347,6 +347,7 @@ class ContinuousBatchScheduler:
         self._free_slots = list(range(batch_config.max_active_sequences - 1, -1, -1))  # pop() hands out slot 0 first
         self._running: dict[_Request, None] = {}  # admission order
         self._waiting: deque[_Request] = deque()
+        self._unfinished: dict[RequestId, _Request] = {}  # waiting or running, by id
         self._finished: list[FinishedRequest] = []
         self._deltas: list[TokenDelta] = []
         self._next_request_id = 0
@@ -402,6 +403,7 @@ class ContinuousBatchScheduler:
         request = _Request(RequestId(self._next_request_id), state)
         self._next_request_id += 1
         self._waiting.append(request)
+        self._unfinished[request.id] = request
         return request.id
 
     def request_state(self, request_id: RequestId) -> RequestState:
@@ -528,7 +530,7 @@ class ContinuousBatchScheduler:
 
     def _find(self, request_id) -> _Request | None:
         """The unfinished request with that id."""
-        return next((r for r in [*self._running, *self._waiting] if r.id == request_id), None)
+        return self._unfinished.get(request_id) if isinstance(request_id, Hashable) else None
 
     def _pages_for(self, positions: int) -> int:
         """Pages covering that many positions."""
@@ -646,6 +648,7 @@ class ContinuousBatchScheduler:
 
     def _finish(self, request: _Request, report: bool = True) -> None:
         """Take a request whose state has a finish reason out of its queue and (unless done before) report it."""
+        self._unfinished.pop(request.id, None)
         self._release_pages(request)
         self._running.pop(request, None)
         if request in self._waiting:
