@@ -38,7 +38,7 @@ def main() -> None:
     model_dir.mkdir(parents=True, exist_ok=True)
     save_weights(random_weights(config, seed=0), model_dir)
     (model_dir / "config.json").write_text(json.dumps(config))
-    artifact = build(model_dir, out=f"{args.work}/batch-artifact", prefill_buckets=(8, 16, 64), context_buckets=(128,),
+    artifact = build(model_dir, out=f"{args.work}/batch-artifact", prefill_buckets=(8, 16, 64), max_context=128,
                      batch_rows=(1, args.rows), quiet=True).path
     model = CompiledModel(model_dir, artifact)
     rng = np.random.default_rng(0)

@@ -6,7 +6,7 @@ On a host whose speed drifts between minutes, only measurements taken side by si
 round runs every artifact once (a prompt of --tokens ids, then --tokens - 1 greedy decode steps), and
 the medians over rounds are printed. Build the artifacts from the commits to compare (for example
 `git worktree add /tmp/old REV`, then `PYTHONPATH=/tmp/old python -m compiler build MODEL_DIR --out A`
-from there); every artifact needs a context bucket of 2 x --tokens and a prefill bucket of --tokens.
+from there); every artifact needs a --max-context of at least 2 x --tokens and a prefill bucket of --tokens.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def ours(model_dir: Path, args, prompt: list[int], threads: int, matmul_precisio
 
     amx = matmul_precision == "bfloat16"
     artifact = build(model_dir, out=f"{args.work}/{model_dir.name}{'.amx' if amx else ''}.llvm",
-                     prefill_buckets=(args.tokens,), context_buckets=(2 * args.tokens,),
+                     prefill_buckets=(args.tokens,), max_context=2 * args.tokens,
                      matmul_precision=matmul_precision, quiet=True).path
     label = "ours (llvm artifact, bf16 prefill products on AMX)" if amx else "ours (llvm artifact)"
     yield label, *runtime_steps(CompiledModel(model_dir, artifact), prompt)

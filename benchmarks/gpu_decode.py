@@ -32,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = real_shape_checkpoint(args.work, "qwen2.5-0.5b", "bfloat16")
     artifact = build(model_dir, target="cuda", cuda_compiler=args.cuda_compiler, out=f"{args.work}/artifact",
-                     prefill_buckets=(args.tokens,), context_buckets=(2 * args.tokens,), quiet=True).path
+                     prefill_buckets=(args.tokens,), max_context=2 * args.tokens, quiet=True).path
     model = CompiledModel(model_dir, artifact, device="cuda")
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, model.config.vocab_size, args.tokens)]
     prefill, decode = [], []

@@ -23,18 +23,21 @@ from compiler.kernels import make_kernel
 from compiler.lower import op_signature
 from compiler.options import MATMUL_PRECISIONS
 from compiler.target import cpu_target
-from ir import CONTEXT, OPS, TOKENS, infer_types
+from ir import OPS, ROWS, TOKENS, infer_types
+from ir.contract import Buckets
 from runtime.cpu import enable_amx, use_all_cores
 from schedules import cpu
 
 CONTEXT_TOKENS = 512
 
 
-def _random_input(t, rng):
+def _random_input(name, t, rng, tokens):
+    """A value for input `name` of an op: random floats; int inputs of one sequence holding every token row,
+    continuing from its state (so attention sees few positions: its time is a lower bound)."""
     if t.shape == ():
-        return 100
+        return tokens
     if t.dtype == "int32":
-        return np.zeros(t.shape, np.int32)
+        return np.full(t.shape, {"seq_len": tokens, "seq_pos": 1}.get(name, 0), np.int32)
     data = rng.standard_normal(t.shape).astype(np.float32)
     return data.astype(ml_dtypes.bfloat16 if t.dtype == "bfloat16" else t.dtype)
 
@@ -59,16 +62,16 @@ def main() -> None:
     model_dir = args.model_dir or real_shape_checkpoint(args.work, args.shape, args.dtype)
     _, _, _, program = models.load_checkpoint_program(model_dir)
     dev, rng = tvm.cpu(), np.random.default_rng(0)
-    entry = "decode" if args.tokens == 1 else "prefill"
+    entry, arena = "step", Buckets((args.tokens,), (1,), CONTEXT_TOKENS, CONTEXT_TOKENS // 16)
     graph = program.entries[entry]
-    uses = Counter(op_signature(graph, program, op, {TOKENS: args.tokens, CONTEXT: CONTEXT_TOKENS})
+    uses = Counter(op_signature(graph, program, op, {TOKENS: args.tokens, ROWS: 1, **arena.arena_dims()})
                    for op in graph.ops)
     rows, total = [], 0.0
     for sig, count in uses.items():
         attrs = json.loads(sig.attrs_json)
         kernel = make_kernel(sig.kind, list(sig.types), attrs, target.lanes)
         lib = tvm.compile(cpu.schedule(kernel.func, sig.kind, attrs, target), target.tvm_target())
-        inputs = [_random_input(t, rng) for t in sig.types]
+        inputs = [_random_input(name, t, rng, args.tokens) for name, t in zip(OPS[sig.kind].inputs + OPS[sig.kind].optional_inputs, sig.types)]
         call = [x if isinstance(x, int) else tvm.runtime.tensor(x, dev) for x in inputs]
         call += [tvm.runtime.tensor(c, dev) for c in kernel.constants]
         outs = infer_types(sig.kind, list(sig.types), attrs)

@@ -38,9 +38,9 @@ def main() -> None:
     parser.add_argument("--artifact", help="a built llvm artifact (default: build one with small buckets)")
     args = parser.parse_args()
     artifact = args.artifact or build(args.model_dir, out=f"{args.model_dir}.overhead.llvm", prefill_buckets=(16,),
-                                      context_buckets=(4 * args.steps,), quiet=True).path
+                                      max_context=4 * args.steps, quiet=True).path
     model = CompiledModel(args.model_dir, artifact)
-    name = f"decode_c{4 * args.steps}"
+    name = "step_t1_r1"  # a decode step of one sequence
     model._functions[name] = timed = Timed(model._functions[name])
     result = generate(model, [1, 2, 3], GreedyGenerationConfig(args.steps, eos_token_ids=[]))
     steps = len(result.generated_token_ids) - 1

@@ -12,7 +12,8 @@ from .options import (
     ARCHS,
     COMPILER_ENV,
     COMPILERS,
-    DEFAULT_CONTEXT_BUCKETS,
+    DEFAULT_BATCH_ROWS,
+    DEFAULT_MAX_CONTEXT,
     DEFAULT_PREFILL_BUCKETS,
     MATMUL_PRECISIONS,
     PTX_VERSION_ENV,
@@ -38,18 +39,18 @@ def main(argv: list[str]) -> int:
     b.add_argument("--out", help="artifact directory (default: build/<model>-<hash>.<target>)")
     b.add_argument("--prefill-buckets", type=_sizes, metavar="N,N,...",
                    help=f"prefill chunk sizes in tokens (default: {','.join(map(str, DEFAULT_PREFILL_BUCKETS))})")
-    b.add_argument("--context-buckets", type=_sizes, metavar="N,N,...",
-                   help="KV cache capacities in tokens (default: "
-                        f"{','.join(map(str, DEFAULT_CONTEXT_BUCKETS))}, capped at max_position_embeddings)")
+    b.add_argument("--max-context", type=int, metavar="N",
+                   help=f"the most tokens (prompt + generated) one sequence holds (default: {DEFAULT_MAX_CONTEXT}, "
+                        "capped at max_position_embeddings)")
     b.add_argument("--batch-rows", type=_sizes, metavar="N,N,...",
-                   help="also build batched steps (continuous batching over a paged KV arena) for these "
-                        "sequence counts per step (default: none)")
-    b.add_argument("--kv-pages", type=int, help="batched: pages in the KV arena (default: enough for the largest "
-                                                  "row count at the largest context)")
-    b.add_argument("--kv-block-size", type=int, help="batched: tokens per KV page (default 16)")
+                   help="sequence counts of the steps built; more than 1 serves several requests at once "
+                        f"(continuous batching; default: {','.join(map(str, DEFAULT_BATCH_ROWS))})")
+    b.add_argument("--kv-pages", type=int, help="pages in the KV arena (default: enough for the largest row count "
+                                                  "at --max-context)")
+    b.add_argument("--kv-block-size", type=int, help="tokens per KV page (default 16)")
     b.add_argument("--legacy-paged-attention", action="store_true",
-                   help="batched: also build the legacy attention path that gathers each row's history from the "
-                        "pages first (run it with RUDA_PAGED_ATTENTION=legacy)")
+                   help="also build the legacy attention path that gathers each row's history from the pages first "
+                        "(run it with RUDA_PAGED_ATTENTION=legacy)")
     b.add_argument("--mcpu", help="llvm: the CPU to compile for (default: this machine's CPU)")
     b.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS,
                    help="llvm: float32 (default) keeps every product in float32; bfloat16 runs prefill products of "
@@ -67,11 +68,10 @@ def main(argv: list[str]) -> int:
     from .build import build  # after the arguments are checked: loads TVM
 
     result = build(args.model_dir, target=args.target, out=args.out, prefill_buckets=args.prefill_buckets,
-                       context_buckets=args.context_buckets, mcpu=args.mcpu, arch=args.arch,
-                       cuda_compiler=args.cuda_compiler, ptx_version=args.ptx_version,
-                       batch_rows=args.batch_rows, kv_pages=args.kv_pages, kv_block=args.kv_block_size,
-                   legacy_attention=args.legacy_paged_attention,
-                       matmul_precision=args.matmul_precision, force=args.force, quiet=args.quiet)
+                   max_context=args.max_context, mcpu=args.mcpu, arch=args.arch, cuda_compiler=args.cuda_compiler,
+                   ptx_version=args.ptx_version, batch_rows=args.batch_rows, kv_pages=args.kv_pages,
+                   kv_block=args.kv_block_size, legacy_attention=args.legacy_paged_attention,
+                   matmul_precision=args.matmul_precision, force=args.force, quiet=args.quiet)
     print(json.dumps({"artifact": str(result.path), "reused": result.reused, "seconds": round(result.seconds, 2)}))
     return 0
 

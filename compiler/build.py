@@ -17,6 +17,7 @@ import models
 from models.checkpoint import SAFETENSORS_DTYPES
 from ir import format_program, stable_hash, to_json
 from ir.contract import (
+    ATTENTION_ENTRIES,
     IR_FILE,
     IR_TEXT,
     MANIFEST,
@@ -40,7 +41,7 @@ from schedules import cpu, gpu
 
 from .cuda import CudaBuildError, CudaTarget, check_with_ptxas, cuda_target, export_with_ptx, prepare_environment
 from .lower import kernel_signatures, lower_program
-from .options import DEFAULT_CONTEXT_BUCKETS, DEFAULT_PREFILL_BUCKETS, TARGETS
+from .options import DEFAULT_BATCH_ROWS, DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_BUCKETS, TARGETS
 from .output import OutputError, locked_output
 from .target import CpuTarget, cpu_target
 
@@ -62,44 +63,29 @@ class BuildResult:
     seconds: float
 
 
-def resolve_buckets(prefill: tuple[int, ...] | None, context: tuple[int, ...] | None, max_positions: int,
+def resolve_buckets(prefill: tuple[int, ...] | None, max_context: int | None, max_positions: int,
                     batch_rows: tuple[int, ...] | None = None, kv_pages: int | None = None,
-                    kv_block: int | None = None, legacy_attention: bool = False) -> Buckets:
-    """Validated buckets; context capacities above the model's max_position_embeddings are capped.
-
-    Batched execution is built only when `batch_rows` is given; the KV arena then defaults to enough
-    pages for the largest row count at the largest context.
-    """
+                    kv_block: int | None = None) -> Buckets:
+    """Validated buckets. The longest sequence defaults to DEFAULT_MAX_CONTEXT capped at the model's
+    max_position_embeddings; the KV arena to enough pages for the largest row count at that length."""
     prefill = tuple(sorted(set(prefill or DEFAULT_PREFILL_BUCKETS)))
-    if context is None:
-        context = tuple(c for c in DEFAULT_CONTEXT_BUCKETS if c <= max_positions) or (max_positions,)
-    context = tuple(sorted(set(context)))
-    for name, values in (("--prefill-buckets", prefill), ("--context-buckets", context)):
-        if not values or any(v <= 0 for v in values):
-            raise BuildError(f"{name} must be positive integers, got {list(values)}")
-    if context[-1] > max_positions:
-        raise BuildError(f"--context-buckets {context[-1]} exceeds the model's max_position_embeddings ({max_positions})")
-    if prefill[0] > context[0]:
-        raise BuildError(f"--context-buckets {context[0]} is smaller than the smallest prefill bucket {prefill[0]}; "
-                         "every KV cache must hold at least one prefill chunk")
-    if not batch_rows:
-        if kv_pages is not None or kv_block is not None or legacy_attention:
-            raise BuildError("--kv-pages, --kv-block-size and --legacy-paged-attention need --batch-rows "
-                             "(batched execution)")
-        return Buckets(prefill, context)
-    rows = tuple(sorted(set(batch_rows)))
+    rows = tuple(sorted(set(batch_rows or DEFAULT_BATCH_ROWS)))
+    context = min(DEFAULT_MAX_CONTEXT, max_positions) if max_context is None else max_context
     block = 16 if kv_block is None else kv_block
-    for name, values in (("--batch-rows", rows), ("--kv-block-size", (block,))):
+    for name, values in (("--prefill-buckets", prefill), ("--batch-rows", rows), ("--max-context", (context,)),
+                         ("--kv-block-size", (block,))):
         if any(not isinstance(v, int) or v <= 0 for v in values):
             raise BuildError(f"{name} must be positive integers, got {list(values)}")
+    if context > max_positions:
+        raise BuildError(f"--max-context {context} exceeds the model's max_position_embeddings ({max_positions})")
     if rows[-1] > prefill[-1]:
         raise BuildError(f"--batch-rows {rows[-1]} exceeds the largest prefill bucket {prefill[-1]} (tokens per step)")
-    buckets = Buckets(prefill, context, rows, 0, block)
+    buckets = Buckets(prefill, rows, context, 0, block)
     pages = rows[-1] * buckets.pages_per_row if kv_pages is None else kv_pages
-    if pages < buckets.pages_per_row:
-        raise BuildError(f"--kv-pages {pages} cannot hold one sequence of {context[-1]} tokens "
+    if not isinstance(pages, int) or pages < buckets.pages_per_row:
+        raise BuildError(f"--kv-pages {pages} cannot hold one sequence of {context} tokens "
                          f"({buckets.pages_per_row} pages of {block})")
-    return Buckets(prefill, context, rows, pages, block, legacy_attention)
+    return replace(buckets, kv_pages=pages)
 
 
 def make_target(target: str, *, mcpu: str | None = None, arch: str | None = None,
@@ -121,7 +107,7 @@ def make_target(target: str, *, mcpu: str | None = None, arch: str | None = None
 
 
 def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None = None,
-          prefill_buckets: tuple[int, ...] | None = None, context_buckets: tuple[int, ...] | None = None,
+          prefill_buckets: tuple[int, ...] | None = None, max_context: int | None = None,
           mcpu: str | None = None, arch: str | None = None, cuda_compiler: str | None = None,
           ptx_version: str | None = None, batch_rows: tuple[int, ...] | None = None, kv_pages: int | None = None,
           kv_block: int | None = None, legacy_attention: bool = False, matmul_precision: str | None = None,
@@ -133,8 +119,9 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
     tgt = make_target(target, mcpu=mcpu, arch=arch, cuda_compiler=cuda_compiler, ptx_version=ptx_version,
                       matmul_precision=matmul_precision)
     raw, config, tensors, program = models.load_checkpoint_program(model_dir)
-    buckets = resolve_buckets(prefill_buckets, context_buckets, config.max_position_embeddings, batch_rows, kv_pages,
-                              kv_block, legacy_attention)
+    buckets = replace(resolve_buckets(prefill_buckets, max_context, config.max_position_embeddings, batch_rows,
+                                      kv_pages, kv_block),
+                      entries=_entries(program, (ATTENTION_ENTRIES["legacy"],) if legacy_attention else ()))
     out = Path(out) if out is not None else default_artifact_dir(model_dir, target)
     signatures = kernel_signatures(program, buckets)
     manifest = Manifest(
@@ -151,7 +138,7 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
             SAFETENSORS_DTYPES[tensors[s].dtype] for s in p.source_tensors), p.transform) for p in program.params.values()),
         inputs=_entry_inputs(program, buckets),
         vocab_size=config.vocab_size,
-        functions=tuple(name for name, _, _ in buckets.functions()),
+        functions=tuple(name for name, _, _ in buckets.functions(program)),
         kernels=tuple(sig.name for sig in signatures),
         build_options=_options(tgt, buckets, mcpu),
     )
@@ -173,11 +160,10 @@ def _options(tgt: CpuTarget | CudaTarget, buckets: Buckets, mcpu: str | None) ->
     """The `compiler build` options (besides MODEL_DIR and --out) that reproduce this build."""
     sizes = lambda values: ",".join(map(str, values))  # noqa: E731
     options = ["--target", "llvm" if isinstance(tgt, CpuTarget) else "cuda",
-               "--prefill-buckets", sizes(buckets.prefill_tokens), "--context-buckets", sizes(buckets.context)]
-    if buckets.batch_rows:
-        options += ["--batch-rows", sizes(buckets.batch_rows), "--kv-pages", str(buckets.kv_pages),
-                    "--kv-block-size", str(buckets.kv_block)]
-        options += ["--legacy-paged-attention"] if buckets.legacy_attention else []
+               "--prefill-buckets", sizes(buckets.prefill_tokens), "--max-context", str(buckets.max_context),
+               "--batch-rows", sizes(buckets.batch_rows), "--kv-pages", str(buckets.kv_pages),
+               "--kv-block-size", str(buckets.kv_block)]
+    options += ["--legacy-paged-attention"] if ATTENTION_ENTRIES["legacy"] in buckets.entries else []
     if isinstance(tgt, CudaTarget):
         options += ["--arch", tgt.arch, "--cuda-compiler", tgt.compiler]
         options += ["--ptx-version", tgt.ptx_version] if tgt.ptx_version else []
@@ -187,13 +173,20 @@ def _options(tgt: CpuTarget | CudaTarget, buckets: Buckets, mcpu: str | None) ->
     return tuple(options)
 
 
+def _entries(program, optional: tuple[str, ...]) -> tuple[str, ...]:
+    """The entries to build: the model's non-optional ones, and the optional ones asked for."""
+    missing = [name for name in optional if name not in program.entries or not program.entries[name].optional]
+    if missing:
+        raise BuildError(f"{program.model_type} has no optional entry {missing[0]!r}")
+    return tuple(name for name, graph in program.entries.items() if not graph.optional or name in optional)
+
+
 def _entry_inputs(program, buckets: Buckets) -> dict[str, tuple[InputSpec, ...]]:
-    """The runtime inputs of each entry the artifact has functions for, by role, with the arena dims bound (the
-    runtime binds the rest, e.g. a cache's capacity)."""
-    built = {entry for _, entry, _ in buckets.functions()}
+    """The runtime inputs of each entry built, by role, with the arena dims bound (the bucket dims stay
+    symbolic: they differ per function)."""
     return {name: tuple(InputSpec(v, graph.roles[v].kind, graph.roles[v].layer, graph.types[v].bind(
-        buckets.arena_dims() if buckets.batch_rows else {}).shape, graph.types[v].dtype) for v in graph.inputs)
-        for name, graph in program.entries.items() if name in built}
+        buckets.arena_dims()).shape, graph.types[v].dtype) for v in graph.inputs)
+        for name, graph in program.entries.items() if name in buckets.entries}
 
 
 def _describe(tgt: CpuTarget | CudaTarget) -> str:

@@ -1,8 +1,8 @@
 """One compute definition per IR op: concrete input types in, an unscheduled TensorIR PrimFunc out.
 
 Every kernel takes its op's inputs in order (int32 scalars as scalar params), then any constant
-tensors the op needs (`Kernel.constants`), then writes fresh outputs; in-place ops (`kv_append`,
-`paged_kv_append`) write into their input instead. Float math is float32; weights are widened where they are read.
+tensors the op needs (`Kernel.constants`), then writes fresh outputs; in-place ops (`paged_kv_append`, the
+recurrent ops' state pools) write into their input instead. Float math is float32; weights are widened where they are read.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from tvm import te, tirx
 from tvm.script import tirx as T
 
 from ir import TensorType
+from schedules import stages
 
 F32 = "float32"
 
@@ -45,32 +46,32 @@ def embedding(types, attrs) -> Kernel:
     return Kernel(te.create_prim_func([table, ids, y]))
 
 
-def _normalize(x, w, attrs, name):
+def _normalize(x, w, attrs):
     """RMSNorm of each group of features (the whole row by default), scaled by weight + weight_offset."""
     rows, hidden = x.shape[0], int(x.shape[1])
     group, offset = attrs.get("group", hidden), attrs.get("weight_offset", 0.0)
     k = te.reduce_axis((0, group), "k")
     ss = te.compute((rows, hidden // group), lambda i, g: te.sum(x[i, g * group + k] * x[i, g * group + k], axis=k),
-                    name=f"{name}_sumsq")
+                    name="rms_norm_sumsq")
     return te.compute((rows, hidden), lambda i, h: x[i, h] * te.rsqrt(ss[i, h // group] / float(group) + attrs["eps"])
-                      * (_f32(w[h % group]) + offset), name=name)
+                      * (_f32(w[h % group]) + offset), name=stages.NORM)
 
 
 def rms_norm(types, attrs) -> Kernel:
     x, w = _placeholders(types, ["x", "weight"])
-    return Kernel(te.create_prim_func([x, w, _normalize(x, w, attrs, "rms_norm")]))
+    return Kernel(te.create_prim_func([x, w, _normalize(x, w, attrs)]))
 
 
 def add_rms_norm(types, attrs) -> Kernel:
     x, r, w = _placeholders(types, ["x", "residual", "weight"])
     s = te.compute(x.shape, lambda i, h: x[i, h] + r[i, h], name="residual_add")
-    return Kernel(te.create_prim_func([x, r, w, s, _normalize(s, w, attrs, "rms_norm")]))
+    return Kernel(te.create_prim_func([x, r, w, s, _normalize(s, w, attrs)]))
 
 
 def linear(types, attrs) -> Kernel:
     x, w, *bias = _placeholders(types, ["x", "weight", "bias"])
     k = te.reduce_axis((0, x.shape[1]), "k")
-    y = te.compute((x.shape[0], w.shape[0]), lambda i, j: te.sum(x[i, k] * _f32(w[j, k]), axis=k), name="matmul")
+    y = te.compute((x.shape[0], w.shape[0]), lambda i, j: te.sum(x[i, k] * _f32(w[j, k]), axis=k), name=stages.MATMUL)
     if bias:
         b = bias[0]
         y = te.compute(y.shape, lambda i, j: y[i, j] + _f32(b[j]), name="bias_add")
@@ -79,13 +80,12 @@ def linear(types, attrs) -> Kernel:
 
 def rope(types, attrs) -> Kernel:
     x, pos = _placeholders(types, ["x", "pos"])
-    position = (lambda i: pos + i) if types[1].shape == () else (lambda i: pos[i])
     freqs = np.asarray(attrs["inv_freq"], dtype=np.float32)
     half, head_dim = len(freqs), attrs["head_dim"]
     inv = te.placeholder((half,), F32, name="inv_freq")
     # cos and sin once per row and frequency, not once per head
-    cos = te.compute((x.shape[0], half), lambda i, f: te.cos(position(i).astype(F32) * inv[f]), name="rope_cos")
-    sin = te.compute((x.shape[0], half), lambda i, f: te.sin(position(i).astype(F32) * inv[f]), name="rope_sin")
+    cos = te.compute((x.shape[0], half), lambda i, f: te.cos(pos[i].astype(F32) * inv[f]), name="rope_cos")
+    sin = te.compute((x.shape[0], half), lambda i, f: te.sin(pos[i].astype(F32) * inv[f]), name="rope_sin")
 
     def rotate(i, c):
         d = c % head_dim
@@ -109,31 +109,19 @@ def _attend(q, attrs, length, key, value, visible):
     rows = q.shape[0]
     d = te.reduce_axis((0, dim), "d")
     s = te.compute((heads, rows, length),
-                   lambda h, i, j: te.sum(q[i, h * dim + d] * key(i, j, (h // group) * dim + d), axis=d), name="scores")
+                   lambda h, i, j: te.sum(q[i, h * dim + d] * key(i, j, (h // group) * dim + d), axis=d), name=stages.SCORES)
     masked = te.compute((heads, rows, length), lambda h, i, j: tirx.if_then_else(
-        visible(i, j), s[h, i, j] * attrs["scale"], tirx.min_value(F32)), name="masked")
+        visible(i, j), s[h, i, j] * attrs["scale"], tirx.min_value(F32)), name=stages.MASKED)
     j = te.reduce_axis((0, length), "j")
-    m = te.compute((heads, rows), lambda h, i: te.max(masked[h, i, j], axis=j), name="row_max")
-    e = te.compute((heads, rows, length), lambda h, i, jj: te.exp(masked[h, i, jj] - m[h, i]), name="exp")
+    m = te.compute((heads, rows), lambda h, i: te.max(masked[h, i, j], axis=j), name=stages.ROW_MAX)
+    e = te.compute((heads, rows, length), lambda h, i, jj: te.exp(masked[h, i, jj] - m[h, i]), name=stages.EXP)
     j2 = te.reduce_axis((0, length), "j2")
-    total = te.compute((heads, rows), lambda h, i: te.sum(e[h, i, j2], axis=j2), name="row_sum")
+    total = te.compute((heads, rows), lambda h, i: te.sum(e[h, i, j2], axis=j2), name=stages.ROW_SUM)
     j3 = te.reduce_axis((0, length), "j3")
     acc = te.compute((rows, heads * dim), lambda i, c: te.sum(tirx.if_then_else(  # never read hidden slots: may be NaN
         visible(i, j3), e[c // dim, i, j3] * value(i, j3, (c // dim // group) * dim + c % dim), 0.0), axis=j3),
-        name="weighted")
-    return te.compute((rows, heads * dim), lambda i, c: acc[i, c] / total[c // dim, i], name="attention")
-
-
-SCORE_BLOCK = 16  # attention scores come in whole blocks of positions (SIMD vectors); the mask hides the excess
-
-
-def attention(types, attrs) -> Kernel:
-    q, kc, vc, pos, n = _placeholders(types, ["q", "k_cache", "v_cache", "pos", "n"])
-    span = (pos + n + SCORE_BLOCK - 1) // SCORE_BLOCK * SCORE_BLOCK  # may pass the cache's end: reads are clamped
-    last = kc.shape[0] - 1
-    out = _attend(q, attrs, span, lambda i, j, c: kc[tirx.min(j, last), c], lambda i, j, c: vc[tirx.min(j, last), c],
-                  lambda i, j: j <= tirx.min(pos + i, pos + n - 1))  # padding rows (i >= n) see the valid cache only
-    return Kernel(te.create_prim_func([q, kc, vc, pos, n, out]))
+        name=stages.WEIGHTED)
+    return te.compute((rows, heads * dim), lambda i, c: acc[i, c] / total[c // dim, i], name=stages.ATTENTION)
 
 
 def paged_attention(types, attrs) -> Kernel:
@@ -147,22 +135,6 @@ def paged_attention(types, attrs) -> Kernel:
     out = _attend(q, attrs, pages_per_row * block, lambda i, j, c: kp[page(i, j), j % block, c],
                   lambda i, j, c: vp[page(i, j), j % block, c], lambda i, j: j <= pos_of[i])
     return Kernel(te.create_prim_func([q, kp, vp, table, row_of, pos_of, out]))
-
-
-def kv_append(types, attrs) -> Kernel:
-    cache_t, new_t = types[0], types[1]
-    ctx, width = cache_t.shape
-    rows = new_t.shape[0]
-
-    @T.prim_func(s_tir=True)
-    def func(cache: T.Buffer((ctx, width), "float32"), new: T.Buffer((rows, width), "float32"), pos: T.int32, n: T.int32):
-        for i, c in T.grid(rows, width):
-            with T.sblock("kv_append"):
-                vi, vc = T.axis.remap("SS", [i, c])
-                if vi < n:
-                    cache[pos + vi, vc] = new[vi, vc]
-
-    return Kernel(func)
 
 
 def paged_kv_append(types, attrs) -> Kernel:
@@ -199,11 +171,6 @@ def add(types, attrs) -> Kernel:
     return Kernel(te.create_prim_func([a, b, te.compute(a.shape, lambda i, c: a[i, c] + b[i, c], name="add")]))
 
 
-def take_last(types, attrs) -> Kernel:
-    x, n = _placeholders(types, ["x", "n"])
-    return Kernel(te.create_prim_func([x, n, te.compute((1, x.shape[1]), lambda _, c: x[n - 1, c], name="take_last")]))
-
-
 def slice_cols(types, attrs) -> Kernel:
     (x,) = _placeholders(types, ["x"])
     period, offset, width = attrs["period"], attrs["offset"], attrs["width"]
@@ -216,43 +183,6 @@ def sigmoid_mul(types, attrs) -> Kernel:
     g, x = _placeholders(types, ["gate", "x"])
     y = te.compute(g.shape, lambda i, c: te.sigmoid(g[i, c]) * x[i, c], name="sigmoid_mul")
     return Kernel(te.create_prim_func([g, x, y]))
-
-
-def causal_conv1d(types, attrs) -> Kernel:
-    """Depthwise causal convolution over [state rows; new rows] then SiLU; the state keeps the last rows.
-
-    Rows at or after `n` are padding: they neither enter the state nor matter in the output.
-    """
-    rows, channels = types[0].shape
-    keep, wdtype = types[1].shape[0], types[2].dtype
-
-    @T.prim_func(s_tir=True)
-    def func(x: T.Buffer((rows, channels), "float32"), state: T.Buffer((keep, channels), "float32"),
-             w: T.Buffer((channels, 1, keep + 1), wdtype), n: T.int32, y: T.Buffer((rows, channels), "float32")):
-        old = T.alloc_buffer((keep, channels), "float32")
-        conv = T.alloc_buffer((rows, channels), "float32")
-        for r, c in T.grid(keep, channels):
-            with T.sblock("conv_state_in"):
-                vr, vc = T.axis.remap("SS", [r, c])
-                old[vr, vc] = state[vr, vc]
-        for t, c, k in T.grid(rows, channels, keep + 1):
-            with T.sblock("conv"):
-                vt, vc, vk = T.axis.remap("SSR", [t, c, k])
-                with T.init():
-                    conv[vt, vc] = T.float32(0)
-                conv[vt, vc] = conv[vt, vc] + T.Cast("float32", w[vc, 0, vk]) * T.if_then_else(
-                    vt + vk < keep, old[T.min(vt + vk, keep - 1), vc], x[T.max(vt + vk - keep, 0), vc])
-        for t, c in T.grid(rows, channels):
-            with T.sblock("conv_silu"):
-                vt, vc = T.axis.remap("SS", [t, c])
-                y[vt, vc] = conv[vt, vc] * T.sigmoid(conv[vt, vc])
-        for r, c in T.grid(keep, channels):
-            with T.sblock("conv_state"):
-                vr, vc = T.axis.remap("SS", [r, c])
-                state[vr, vc] = T.if_then_else(n + vr < keep, old[T.min(n + vr, keep - 1), vc],
-                                               x[T.max(n + vr - keep, 0), vc])
-
-    return Kernel(func)
 
 
 L2_EPS = 1e-6  # the epsilon of the q/k L2 normalisation in Qwen3.5's gated delta rule
@@ -278,24 +208,6 @@ def delta_inputs(types, attrs) -> Kernel:
 
     gates = te.compute((qkv.shape[0], a.shape[1], 2), gate, name="delta_gates")
     return Kernel(te.create_prim_func([qkv, a, b, a_log, dt_bias, n, qk, gates]))
-
-
-def gated_delta_rule(types, attrs) -> Kernel:
-    """Qwen3.5's gated delta rule over the new tokens, carrying the [v heads, k_dim, v_dim] state.
-
-    Per token t and value head h (reading k head h // (v heads / k heads)), with q, k, g, beta from
-    `delta_inputs`: S = S * exp(g); S += k (beta (v - S^T k))^T; out = S^T q. `chunk` 0 runs that
-    recurrence token by token; `chunk` C > 0 the equivalent chunked form over chunks of
-    gcd(C, tokens) tokens: an in-chunk triangular solve, then one state update per chunk. Each
-    (head, value column) is independent, so that is the parallel axis of both forms; each task
-    takes `scan_lanes` neighbouring columns (see make_kernel).
-    """
-    rows = types[0].shape[0]
-    hk, hv, dk, dv = (attrs[k] for k in ("num_k_heads", "num_v_heads", "k_dim", "v_dim"))
-    lanes = math.gcd(attrs["scan_lanes"], dk, dv)
-    if attrs["chunk"] == 0:
-        return Kernel(_delta_recurrent(rows, hk, hv, dk, dv, types[1].shape[1], lanes))
-    return Kernel(_delta_chunked(rows, hk, hv, dk, dv, types[1].shape[1], math.gcd(rows, attrs["chunk"]), lanes))
 
 
 def _column_scan(hk, hv, dk, dv, lanes):
@@ -329,38 +241,25 @@ def _column_scan(hk, hv, dk, dv, lanes):
     return scan
 
 
-def _delta_recurrent(rows, hk, hv, dk, dv, width, lanes):
-    scan = _column_scan(hk, hv, dk, dv, lanes)
-
-    @T.prim_func(s_tir=True)
-    def func(qk: T.Buffer((rows, 2 * hk * dk), "float32"), qkv: T.Buffer((rows, width), "float32"),
-             gates: T.Buffer((rows, hv, 2), "float32"), state: T.Buffer((hv, dk, dv), "float32"),
-             out: T.Buffer((rows, hv * dv), "float32")):
-        for h, j in T.grid(hv, dv // lanes):
-            with T.sblock("delta_scan"):  # state columns j * lanes.. of head h
-                vh, vj = T.axis.remap("SS", [h, j])
-                # its own state columns are read once, then written back: not a read of the block's inputs
-                T.reads(qk[0:rows, 0:2 * hk * dk], qkv[0:rows, 0:width], gates[0:rows, vh, 0:2])
-                T.writes(state[vh, 0:dk, vj * lanes:vj * lanes + lanes], out[0:rows, vh * dv:vh * dv + dv])
-                col = T.alloc_buffer((dk, lanes), "float32", scope="local")
-                acc = T.alloc_buffer((2, lanes), "float32", scope="local")
-                decay = T.alloc_buffer((1,), "float32", scope="local")
-                for i, jj in T.grid(dk, lanes):
-                    col[i, jj] = state[vh, i, vj * lanes + jj]
-                scan(col, acc, decay, qk, qkv, gates, out, vh, vj * lanes, 0, rows)
-                for i, jj in T.grid(dk, lanes):
-                    state[vh, i, vj * lanes + jj] = col[i, jj]
-
-    return func
-
-
 def batch_gated_delta_rule(types, attrs) -> Kernel:
-    """The gated delta rule for a batch: each sequence's tokens in order, from its state slot (zero when it
-    starts at position 0), the final state back to its slot. One (sequence, head, value column) per task."""
+    """Qwen3.5's gated delta rule for a step: each sequence's tokens in order, from its state slot (zero when it
+    starts at position 0), the final state back to its slot.
+
+    Per token t and value head h (reading k head h // (v heads / k heads)), with q, k, g, beta from
+    `delta_inputs`: S = S * exp(g); S += k (beta (v - S^T k))^T; out = S^T q. A step of one sequence (a
+    prefill chunk of one request) with `chunk` C > 0 runs the equivalent chunked form over chunks of
+    gcd(C, rows) tokens: an in-chunk triangular solve, then one state update per chunk (padding rows have
+    zero gates, so they leave the state as it is). Otherwise the recurrence runs token by token, one
+    (sequence, head, value columns) per task. Each task takes `scan_lanes` neighbouring value columns (see
+    make_kernel).
+    """
     rows, width = types[1].shape
     slots, seqs = types[3].shape[0], types[4].shape[0]
     hk, hv, dk, dv = (attrs[k] for k in ("num_k_heads", "num_v_heads", "k_dim", "v_dim"))
     lanes = math.gcd(attrs["scan_lanes"], dk, dv)
+    chunk = math.gcd(rows, attrs["chunk"])
+    if seqs == 1 and chunk > 1:
+        return Kernel(_delta_chunked(rows, hk, hv, dk, dv, width, slots, chunk, lanes))
     scan = _column_scan(hk, hv, dk, dv, lanes)
 
     @T.prim_func(s_tir=True)
@@ -391,38 +290,49 @@ def batch_gated_delta_rule(types, attrs) -> Kernel:
 
 
 def batch_causal_conv1d(types, attrs) -> Kernel:
-    """The causal conv1d + SiLU for a batch: each sequence's tokens in order, its rolling window read from
-    its state slot (zeros when it starts at position 0) and written back. One (sequence, channel) per task."""
+    """The causal conv1d + SiLU for a step: each sequence's tokens in order, its rolling window read from
+    its state slot (zeros when it starts at position 0) and written back. A task takes one sequence and
+    `scan_lanes` neighbouring channels (see make_kernel), whose innermost loops vectorise; the windows live in
+    one buffer of the call (a buffer per task would be a heap allocation per task on a CPU)."""
     rows, channels = types[0].shape
     slots, keep = types[1].shape[:2]
     wdtype, seqs = types[2].dtype, types[3].shape[0]
+    lanes = math.gcd(attrs["scan_lanes"], channels)
 
     @T.prim_func(s_tir=True)
     def func(x: T.Buffer((rows, channels), "float32"), pool: T.Buffer((slots, keep, channels), "float32"),
              w: T.Buffer((channels, 1, keep + 1), wdtype), seq_start: T.Buffer((seqs,), "int32"),
              seq_len: T.Buffer((seqs,), "int32"), seq_pos: T.Buffer((seqs,), "int32"),
              seq_slot: T.Buffer((seqs,), "int32"), y: T.Buffer((rows, channels), "float32")):
-        for r, c in T.grid(seqs, channels):
+        window = T.alloc_buffer((seqs, keep, channels), "float32")
+        for r, c in T.grid(seqs, channels // lanes):
             with T.sblock("conv_scan"):
                 vr, vc = T.axis.remap("SS", [r, c])
                 # each sequence reads and writes only its own slot's window
-                T.reads(x[0:rows, vc], w[vc, 0, 0:keep + 1], seq_start[vr], seq_len[vr], seq_pos[vr], seq_slot[vr])
-                T.writes(pool[0:slots, 0:keep, vc], y[0:rows, vc])
-                window = T.alloc_buffer((keep,), "float32", scope="local")
-                acc = T.alloc_buffer((1,), "float32", scope="local")
+                T.reads(x[0:rows, vc * lanes:vc * lanes + lanes], w[vc * lanes:vc * lanes + lanes, 0, 0:keep + 1],
+                        seq_start[vr], seq_len[vr], seq_pos[vr], seq_slot[vr])
+                T.writes(pool[0:slots, 0:keep, vc * lanes:vc * lanes + lanes], y[0:rows, vc * lanes:vc * lanes + lanes],
+                         window[vr, 0:keep, vc * lanes:vc * lanes + lanes])
                 if seq_len[vr] > 0:
-                    for k in range(keep):
-                        window[k] = T.if_then_else(seq_pos[vr] > 0, pool[T.max(seq_slot[vr], 0), k, vc], T.float32(0))
+                    for k, lane in T.grid(keep, lanes):
+                        window[vr, k, vc * lanes + lane] = T.if_then_else(
+                            seq_pos[vr] > 0, pool[T.max(seq_slot[vr], 0), k, vc * lanes + lane], T.float32(0))
                     for t in range(seq_len[vr]):
-                        acc[0] = T.Cast("float32", w[vc, 0, keep]) * x[seq_start[vr] + t, vc]
-                        for k in range(keep):
-                            acc[0] = acc[0] + T.Cast("float32", w[vc, 0, k]) * window[k]
-                        y[seq_start[vr] + t, vc] = acc[0] * T.sigmoid(acc[0])
-                        for k in range(keep - 1):
-                            window[k] = window[k + 1]
-                        window[keep - 1] = x[seq_start[vr] + t, vc]
-                    for k in range(keep):
-                        pool[seq_slot[vr], k, vc] = window[k]
+                        for lane in range(lanes):
+                            y[seq_start[vr] + t, vc * lanes + lane] = T.Cast("float32", w[vc * lanes + lane, 0, keep]) \
+                                * x[seq_start[vr] + t, vc * lanes + lane]
+                        for k, lane in T.grid(keep, lanes):
+                            y[seq_start[vr] + t, vc * lanes + lane] = y[seq_start[vr] + t, vc * lanes + lane] + T.Cast(
+                                "float32", w[vc * lanes + lane, 0, k]) * window[vr, k, vc * lanes + lane]
+                        for lane in range(lanes):
+                            y[seq_start[vr] + t, vc * lanes + lane] = y[seq_start[vr] + t, vc * lanes + lane] \
+                                * T.sigmoid(y[seq_start[vr] + t, vc * lanes + lane])
+                        for k, lane in T.grid(keep - 1, lanes):
+                            window[vr, k, vc * lanes + lane] = window[vr, k + 1, vc * lanes + lane]
+                        for lane in range(lanes):
+                            window[vr, keep - 1, vc * lanes + lane] = x[seq_start[vr] + t, vc * lanes + lane]
+                    for k, lane in T.grid(keep, lanes):
+                        pool[seq_slot[vr], k, vc * lanes + lane] = window[vr, k, vc * lanes + lane]
 
     return Kernel(func)
 
@@ -443,13 +353,15 @@ def padded_attention(types, attrs) -> Kernel:
     return Kernel(te.create_prim_func([q, kh, vh, row_of, pos_of, out]))
 
 
-def _delta_chunked(rows, hk, hv, dk, dv, width, chunk, lanes):
+def _delta_chunked(rows, hk, hv, dk, dv, width, slots, chunk, lanes):
+    """The chunked delta rule of one sequence whose tokens start at row 0."""
     ratio, key, value = hv // hk, hk * dk, 2 * hk * dk
 
     @T.prim_func(s_tir=True)
     def func(qk: T.Buffer((rows, 2 * hk * dk), "float32"), qkv: T.Buffer((rows, width), "float32"),
-             gates: T.Buffer((rows, hv, 2), "float32"), state: T.Buffer((hv, dk, dv), "float32"),
-             out: T.Buffer((rows, hv * dv), "float32")):
+             gates: T.Buffer((rows, hv, 2), "float32"), pool: T.Buffer((slots, hv, dk, dv), "float32"),
+             seq_start: T.Buffer((1,), "int32"), seq_len: T.Buffer((1,), "int32"), seq_pos: T.Buffer((1,), "int32"),
+             seq_slot: T.Buffer((1,), "int32"), out: T.Buffer((rows, hv * dv), "float32")):
         decay = T.alloc_buffer((hv, rows), "float32")  # log decay from the chunk's start, inclusive
         scales = T.alloc_buffer((hv, rows, 2), "float32")  # exp(decay), exp(decay at chunk end - decay)
         dots = T.alloc_buffer((2, hk, rows, chunk), "float32")  # k_t . k_s and q_t . k_s, s in t's chunk
@@ -470,7 +382,7 @@ def _delta_chunked(rows, hk, hv, dk, dv, width, chunk, lanes):
                 scales[vh, vc * chunk + vr, ve] = T.exp(T.if_then_else(
                     ve == 0, decay[vh, vc * chunk + vr], decay[vh, vc * chunk + chunk - 1] - decay[vh, vc * chunk + vr]))
         for e, g, c, r, s, i in T.grid(2, hk, rows // chunk, chunk, chunk, dk):
-            with T.sblock("delta_dots"):  # e = 0: k_t . k_s, e = 1: q_t . k_s
+            with T.sblock(stages.DELTA_DOTS):  # e = 0: k_t . k_s, e = 1: q_t . k_s
                 ve, vg, vc, vr, vs, vi = T.axis.remap("SSSSSR", [e, g, c, r, s, i])
                 with T.init():
                     dots[ve, vg, vc * chunk + vr, vs] = T.float32(0)
@@ -513,13 +425,15 @@ def _delta_chunked(rows, hk, hv, dk, dv, width, chunk, lanes):
             with T.sblock("delta_scan"):  # state columns j * lanes.. of head h, one update per chunk
                 vh, vj = T.axis.remap("SS", [h, j])
                 T.reads(u[vh, 0:rows, vj * lanes:vj * lanes + lanes], w[vh, 0:rows, 0:dk], qk[0:rows, 0:2 * hk * dk],
-                        scales[vh, 0:rows, 0:2], attn[vh, 0:rows, 0:chunk])  # and its own state columns, read first
-                T.writes(state[vh, 0:dk, vj * lanes:vj * lanes + lanes], out[0:rows, vh * dv:vh * dv + dv])
+                        scales[vh, 0:rows, 0:2], attn[vh, 0:rows, 0:chunk], seq_pos[0],
+                        seq_slot[0])  # and its own state columns, read first
+                T.writes(pool[0:slots, vh, 0:dk, vj * lanes:vj * lanes + lanes], out[0:rows, vh * dv:vh * dv + dv])
                 col = T.alloc_buffer((dk, lanes), "float32", scope="local")
                 fresh = T.alloc_buffer((chunk, lanes), "float32", scope="local")
                 acc = T.alloc_buffer((lanes,), "float32", scope="local")
                 for i, jj in T.grid(dk, lanes):
-                    col[i, jj] = state[vh, i, vj * lanes + jj]
+                    col[i, jj] = T.if_then_else(seq_pos[0] > 0, pool[T.max(seq_slot[0], 0), vh, i, vj * lanes + jj],
+                                                T.float32(0))
                 for c in range(rows // chunk):
                     for r in range(chunk):  # the new values: what the state does not already predict
                         for jj in range(lanes):
@@ -548,17 +462,16 @@ def _delta_chunked(rows, hk, hv, dk, dv, width, chunk, lanes):
                                 col[i, jj] = col[i, jj] + qk[c * chunk + r, key + vh // ratio * dk + i] * scales[
                                     vh, c * chunk + r, 1] * fresh[r, jj]
                 for i, jj in T.grid(dk, lanes):
-                    state[vh, i, vj * lanes + jj] = col[i, jj]
+                    pool[seq_slot[0], vh, i, vj * lanes + jj] = col[i, jj]
 
     return func
 
 
 KERNELS = {
     "embedding": embedding, "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "linear": linear, "rope": rope,
-    "attention": attention, "kv_append": kv_append, "silu_mul": silu_mul, "add": add, "take_last": take_last,
-    "paged_kv_append": paged_kv_append, "paged_attention": paged_attention, "take_rows": take_rows,
-    "slice_cols": slice_cols, "sigmoid_mul": sigmoid_mul, "causal_conv1d": causal_conv1d,
-    "delta_inputs": delta_inputs, "gated_delta_rule": gated_delta_rule, "batch_causal_conv1d": batch_causal_conv1d,
+    "silu_mul": silu_mul, "add": add, "paged_kv_append": paged_kv_append, "paged_attention": paged_attention,
+    "take_rows": take_rows, "slice_cols": slice_cols, "sigmoid_mul": sigmoid_mul, "delta_inputs": delta_inputs,
+    "batch_causal_conv1d": batch_causal_conv1d,
     "batch_gated_delta_rule": batch_gated_delta_rule, "gather_pages": gather_pages, "padded_attention": padded_attention,
 }
 
@@ -566,8 +479,8 @@ KERNELS = {
 def make_kernel(kind: str, types: list[TensorType], attrs: dict, scan_lanes: int = 1) -> Kernel:
     """The unscheduled kernel for one op signature (all dims concrete).
 
-    `scan_lanes`: how many independent columns one task of a sequential scan (the delta rule) carries in its
-    innermost loops: the target's SIMD width on a CPU, 1 on a GPU (a thread per column).
+    `scan_lanes`: how many independent columns one task of a sequential scan (the delta rule, the causal conv)
+    carries in its innermost loops: the target's SIMD width on a CPU, 1 on a GPU (a thread per column).
     """
     kernel = KERNELS[kind](types, {**attrs, "scan_lanes": scan_lanes})
     kernel.func = kernel.func.with_attr("tirx.noalias", True)

@@ -45,7 +45,7 @@ def op_signature(graph: Graph, program: Program, op, dims: dict[str, int]) -> Ke
 def kernel_signatures(program: Program, buckets: Buckets) -> list[KernelSignature]:
     """Every distinct kernel the module needs, in first-use order."""
     seen: dict[KernelSignature, None] = {}
-    for _, entry, dims in buckets.functions():
+    for _, entry, dims in buckets.functions(program):
         graph = program.entries[entry]
         for op in graph.ops:
             seen.setdefault(op_signature(graph, program, op, dims))
@@ -64,7 +64,7 @@ def lower_program(program: Program, buckets: Buckets, signatures: list[KernelSig
         kernel = schedule(make_kernel(sig.kind, list(sig.types), attrs, scan_lanes), sig.kind, attrs)
         kernels[sig] = (bb.add_func(kernel.func.with_attr("global_symbol", sig.name), sig.name), kernel.constants)
     param_types = [p.type for p in program.params.values()]
-    for fn_name, entry, dims in buckets.functions():
+    for fn_name, entry, dims in buckets.functions(program):
         _lower_entry(bb, fn_name, program, program.entries[entry], dims, kernels, param_types)
     return bb.get()
 

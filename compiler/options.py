@@ -6,4 +6,5 @@ ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 COMPILERS = ("ptx", "nvrtc", "nvcc")
 COMPILER_ENV, PTX_VERSION_ENV = "RUDA_CUDA_COMPILER", "RUDA_PTX_VERSION"
 DEFAULT_PREFILL_BUCKETS = (16, 64, 256)
-DEFAULT_CONTEXT_BUCKETS = (512, 2048, 4096)
+DEFAULT_MAX_CONTEXT = 4096  # tokens one sequence may hold, capped at the model's max_position_embeddings
+DEFAULT_BATCH_ROWS = (1,)

@@ -4,7 +4,6 @@ from .builder import GraphBuilder
 from .errors import RudaError
 from .graph import (
     BLOCK,
-    CONTEXT,
     HISTORY,
     INPUT_ROLES,
     PAGES,
@@ -26,7 +25,7 @@ from .serialize import from_json, stable_hash, to_json
 from .verify import verify
 
 __all__ = [
-    "BLOCK", "CONTEXT", "HISTORY", "INPUT_ROLES", "PAGES", "PAGES_PER_ROW", "ROWS", "SLOTS", "TOKENS", "Graph", "GraphBuilder", "IRError", "OPS",
+    "BLOCK", "HISTORY", "INPUT_ROLES", "PAGES", "PAGES_PER_ROW", "ROWS", "SLOTS", "TOKENS", "Graph", "GraphBuilder", "IRError", "OPS",
     "Op", "Param", "Program", "Role", "RudaError", "TensorType", "eliminate_dead_values", "format_program", "from_json", "fuse_add_rms_norm", "infer_types",
     "stable_hash", "to_json", "verify",
 ]

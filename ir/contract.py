@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import shlex
 import types
@@ -19,9 +20,21 @@ from pathlib import Path
 from typing import Any, Union
 
 from .errors import RudaError
-from .graph import BLOCK, CONTEXT, HISTORY, PAGES, PAGES_PER_ROW, ROWS, SLOTS, STATE_ROLES, TOKENS
+from .graph import (
+    AXIS_LIMITS,
+    BLOCK,
+    BUCKET_AXES,
+    HISTORY,
+    PAGES,
+    PAGES_PER_ROW,
+    ROWS,
+    SLOTS,
+    STATE_ROLES,
+    TOKENS,
+    Program,
+)
 
-FORMAT = 2
+FORMAT = 3
 KIND = "ruda-artifact"  # what marks a directory as ours: only such a directory is ever replaced by a build
 MANIFEST = "manifest.json"
 MODULE = "model.so"
@@ -30,6 +43,7 @@ IR_FILE = "ir.json"
 IR_TEXT = "ir.txt"
 ARTIFACT_FILES = (MANIFEST, MODULE, PTX_FILE, IR_FILE, IR_TEXT)  # all a build writes: a folder of only these is a (damaged) artifact
 DEFAULT_ROOT = Path("build")
+ATTENTION_ENTRIES = {"fused": "step", "legacy": "step_gather"}  # paged attention path -> the step entry that runs it
 MODEL_PACKAGES = ("ir", "models")  # the model definitions: a change here changes the graph an artifact implements
 
 
@@ -71,43 +85,55 @@ class InputSpec:
 
 @dataclass(frozen=True)
 class Buckets:
-    """The shape specialisations built: prefill chunk sizes and KV cache capacities (tokens), and for
-    batched execution (`batch_rows` non-empty) the sequences per step, the KV arena's page count and
-    the page size. A batch step carries up to the largest prefill bucket of tokens."""
+    """The shape specialisations built. Each entry is compiled over its bucket axes (ir.graph.BUCKET_AXES): a
+    step's token buckets are the prefill chunk sizes and the row counts (a step of one token per sequence), its
+    row buckets the sequence counts. A sequence holds up to `max_context` tokens in pages of `kv_block` tokens
+    of the KV arena (`kv_pages` pages); recurrent states live in one slot per row of the largest step.
+    `entries`: the entries built (the model's non-optional ones, and the optional ones the build asked for)."""
 
     prefill_tokens: tuple[int, ...]
-    context: tuple[int, ...]
-    batch_rows: tuple[int, ...] = ()
-    kv_pages: int = 0
+    batch_rows: tuple[int, ...]
+    max_context: int
+    kv_pages: int
     kv_block: int = 16
-    legacy_attention: bool = False
-    """batched: also build the gather path of paged attention (RUDA_PAGED_ATTENTION=legacy)"""
+    entries: tuple[str, ...] = ("step",)
 
     @property
     def pages_per_row(self) -> int:
-        """Block-table width: pages covering the largest context."""
-        return -(-self.context[-1] // self.kv_block)
+        """Block-table width: pages covering the longest sequence."""
+        return -(-self.max_context // self.kv_block)
 
     @property
     def step_tokens(self) -> tuple[int, ...]:
-        """Token buckets of batched steps: the prefill chunk sizes, and the row counts (a step of decodes only)."""
+        """Token buckets of steps: the prefill chunk sizes, and the row counts (a step of decodes only)."""
         return tuple(sorted(set(self.prefill_tokens) | set(self.batch_rows)))
 
-    def functions(self) -> list[tuple[str, str, dict[str, int]]]:
-        """(VM function name, entry name, dim bindings) for every specialisation."""
-        out = [(f"decode_c{c}", "decode", {CONTEXT: c}) for c in self.context]
-        out += [(f"prefill_t{t}_c{c}", "prefill", {TOKENS: t, CONTEXT: c})
-                for c in self.context for t in self.prefill_tokens if t <= c]
-        paths = (("step", "step"), ("gather", "step_gather")) if self.legacy_attention else (("step", "step"),)
-        out += [(f"{prefix}_t{t}_r{r}", entry, {TOKENS: t, ROWS: r, **self.arena_dims()})
-                for prefix, entry in paths for t in self.step_tokens for r in self.batch_rows if r <= t]
+    def sizes(self, axis: str) -> tuple[int, ...]:
+        """The sizes a bucket axis is compiled for."""
+        return {TOKENS: self.step_tokens, ROWS: self.batch_rows}[axis]
+
+    def functions(self, program: Program) -> list[tuple[str, str, dict[str, int]]]:
+        """(VM function name, entry name, dim bindings) for every built entry and combination of the sizes of its
+        bucket axes (a size at most its AXIS_LIMITS axis' size)."""
+        out = []
+        for entry in self.entries:
+            axes = program.entries[entry].bucket_dims
+            for sizes in itertools.product(*(self.sizes(axis) for axis in axes)):
+                bound = dict(zip(axes, sizes))
+                if all(bound[a] <= bound[limit] for a, limit in AXIS_LIMITS.items() if a in bound and limit in bound):
+                    out.append((self.function_name(entry, bound), entry, {**bound, **self.arena_dims()}))
         return out
 
+    @staticmethod
+    def function_name(entry: str, sizes: dict[str, int]) -> str:
+        """The VM function of `entry` at these bucket sizes, e.g. step_t16_r1."""
+        return "_".join([entry] + [f"{BUCKET_AXES[axis]}{size}" for axis, size in sizes.items()])
+
     def arena_dims(self) -> dict[str, int]:
-        """Bindings of the batched-state dims: KV pages and their size, state slots (one per row of the largest
-        batch), block-table width and the positions it covers."""
+        """Bindings of the state dims: KV pages and their size, state slots (one per row of the largest step),
+        block-table width and the positions it covers."""
         return {PAGES: self.kv_pages, BLOCK: self.kv_block, PAGES_PER_ROW: self.pages_per_row,
-                HISTORY: self.pages_per_row * self.kv_block, SLOTS: max(self.batch_rows, default=0)}
+                HISTORY: self.pages_per_row * self.kv_block, SLOTS: self.batch_rows[-1]}
 
 
 @dataclass(frozen=True)
@@ -145,7 +171,7 @@ class Manifest:
     buckets: Buckets
     params: tuple[ParamSpec, ...]
     inputs: dict[str, tuple[InputSpec, ...]]
-    """Each entry's runtime inputs in call order (state shapes with the arena dims bound)."""
+    """Each entry's runtime inputs in call order (shapes with the arena dims bound)."""
     vocab_size: int
     functions: tuple[str, ...]
     kernels: tuple[str, ...]

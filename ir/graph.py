@@ -11,8 +11,7 @@ Dim = Union[int, str]
 DTYPES = ("float32", "float16", "bfloat16", "int32")
 
 # Symbolic dims the compiler binds per shape bucket.
-TOKENS = "tokens"  # new tokens in one call (a prefill chunk, or every row of a batch step)
-CONTEXT = "context"  # KV cache capacity of one sequence
+TOKENS = "tokens"  # token rows of one step (every new token of every sequence in it, padded)
 ROWS = "rows"  # sequences in one batch step
 PAGES = "pages"  # pages in the shared KV arena of batched execution
 BLOCK = "block"  # tokens per KV page
@@ -20,26 +19,27 @@ PAGES_PER_ROW = "pages_per_row"  # block-table width: pages one sequence may hol
 HISTORY = "history"  # positions a block table covers: pages_per_row * block
 SLOTS = "slots"  # recurrent-state slots of batched execution: one per sequence a batch may hold
 
+# Bucket axes: the symbolic dims an entry declares to be specialised per VM function (each over the sizes the
+# build options give, ir.contract.Buckets.sizes), with the tag that names a size in a function name
+# (step_t16_r1). Every other symbolic dim is bound once per artifact (the KV arena's).
+BUCKET_AXES = {TOKENS: "t", ROWS: "r"}
+AXIS_LIMITS = {ROWS: TOKENS}  # a size of the key's axis is at most the value's: a step holds a token per row
+
 
 # What each runtime input of an entry carries: the runtime fills inputs by role, never by name or position.
 INPUT_ROLES = {
     "token_ids": "the new tokens, one per row (padded to the bucket)",
     "input_embeddings": "the new tokens' input embeddings, one row each (in place of token ids)",
     "token_count": "how many of the tokens are real",
-    "start_position": "one sequence: the position of its first new token",
-    "token_positions": "batch step: each token's position in its sequence",
-    "token_rows": "batch step: each token's sequence (its row of the block table)",
-    "kv_slots": "batch step: each token's KV slot (page * block + offset; negative for padding)",
-    "block_table": "batch step: the pages of each sequence",
-    "last_tokens": "batch step: each sequence's last token row (whose logits come out)",
-    "seq_start": "batch step: each sequence's first token row",
-    "seq_len": "batch step: each sequence's token count",
-    "seq_pos": "batch step: each sequence's first position",
-    "seq_slot": "batch step: each sequence's recurrent-state slot",
-    "k_cache": "state of one layer: one sequence's keys",
-    "v_cache": "state of one layer: one sequence's values",
-    "conv_state": "state of one layer: one sequence's causal-conv window",
-    "recurrent_state": "state of one layer: one sequence's recurrent (delta rule) state",
+    "token_positions": "each token's position in its sequence",
+    "token_rows": "each token's sequence (its row of the block table)",
+    "kv_slots": "each token's KV slot (page * block + offset; negative for padding)",
+    "block_table": "the pages of each sequence",
+    "last_tokens": "each sequence's last token row (whose logits come out)",
+    "seq_start": "each sequence's first token row",
+    "seq_len": "each sequence's token count",
+    "seq_pos": "each sequence's first position",
+    "seq_slot": "each sequence's recurrent-state slot",
     "k_pages": "state of one layer: the KV arena's key pages",
     "v_pages": "state of one layer: the KV arena's value pages",
     "conv_pool": "state of one layer: causal-conv windows, one per slot",
@@ -47,7 +47,7 @@ INPUT_ROLES = {
 }
 STATE_ROLES = frozenset(role for role, what in INPUT_ROLES.items() if what.startswith("state of one layer"))
 PAGED_KV_ROLES = ("k_pages", "v_pages")
-RECURRENT_ROLES = ("conv_state", "recurrent_state", "conv_pool", "recurrent_pool")
+RECURRENT_ROLES = ("conv_pool", "recurrent_pool")
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,9 @@ class Op:
 
 @dataclass
 class Graph:
-    """One entry point (prefill, decode, step): runtime inputs and their roles, ops in order, outputs, value types."""
+    """One entry point (a step; an image encoder to come): runtime inputs and their roles, ops in order, outputs,
+    value types; the bucket axes (BUCKET_AXES) it is compiled over, one VM function per combination of their
+    sizes; and whether it is optional (built only when the build asks for it, e.g. the legacy attention path)."""
 
     name: str
     inputs: list[str]
@@ -121,6 +123,8 @@ class Graph:
     outputs: list[str]
     types: dict[str, TensorType]
     roles: dict[str, Role] = field(default_factory=dict)
+    bucket_dims: tuple[str, ...] = ()
+    optional: bool = False
 
 
 @dataclass

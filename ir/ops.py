@@ -1,13 +1,13 @@
 """The op set: for each kind, its inputs, attributes and type inference.
 
-Activations are float32; weights keep their checkpoint dtype (the kernels widen them).
-Scalars (`pos`, `n`) are int32 tensors of shape (): the start position of the new tokens in
-the KV cache and the number of valid (unpadded) new tokens. The paged ops serve batches of
-sequences: their KV lives in pages of a shared arena [pages, block, width]; each token row says
-which sequence it belongs to (`row_of`), its position (`pos_of`), and where its K/V go (`slots`:
-page * block + offset, negative for padding rows). The recurrent ops of Qwen3.5's linear-attention
-layers (`causal_conv1d`, `gated_delta_rule`) carry their state across calls in float32 tensors
-they update in place, and give their per-token output as a fresh tensor.
+Activations are float32; weights keep their checkpoint dtype (the kernels widen them). Every
+graph runs a step over the token rows of one or more sequences (a single request is a batch of
+one): the KV of attention layers lives in pages of a shared arena [pages, block, width]; each token
+row says which sequence it belongs to (`row_of`), its position (`pos_of`), and where its K/V go
+(`slots`: page * block + offset, negative for padding rows). `n` (an int32 scalar) counts the real,
+unpadded rows. The recurrent ops of Qwen3.5's linear-attention layers (`batch_causal_conv1d`,
+`batch_gated_delta_rule`) keep each sequence's state in a slot of a pool they update in place, and
+give their per-token output as a fresh tensor.
 """
 
 from __future__ import annotations
@@ -84,17 +84,6 @@ def _slice_cols(ins, attrs):
     return [TensorType((x.shape[0], x.shape[1] // period * width), "float32")]
 
 
-def _causal_conv1d(ins, attrs):
-    x, state, w, n = ins
-    _act(x, 2, "causal_conv1d input")
-    channels = x.shape[1]
-    _check(state.dtype == "float32" and len(state.shape) == 2 and state.shape[1] == channels,
-           f"causal_conv1d state must be float32 [kernel - 1, {channels}], got {state}")
-    _weight(w, (channels, 1, state.shape[0] + 1), "causal_conv1d weight")
-    _scalar(n, "causal_conv1d n")
-    return [x, state]
-
-
 def _delta_heads(attrs: dict, *names: str) -> tuple[int, ...]:
     values = tuple(attrs[k] for k in names)
     _check(all(isinstance(v, int) and v > 0 for v in values), f"delta rule {names} must be positive ints, got {values}")
@@ -116,22 +105,22 @@ def _delta_inputs(ins, attrs):
     return [TensorType((rows, 2 * hk * dk), "float32"), TensorType((rows, hv, 2), "float32")]
 
 
-def _gated_delta_rule(ins, attrs):
-    qk, qkv, gates, state = ins
+def _delta_rule_types(qk: TensorType, qkv: TensorType, gates: TensorType, state: tuple, attrs: dict) -> TensorType:
+    """The delta rule's output type, checking its inputs and one sequence's state shape [v heads, k_dim, v_dim]."""
     hk, hv, dk, dv = _delta_heads(attrs, "num_k_heads", "num_v_heads", "k_dim", "v_dim")
-    _check(hv % hk == 0, f"gated_delta_rule: {hk} k heads do not group {hv} v heads")
-    _check(isinstance(attrs["chunk"], int) and attrs["chunk"] >= 0, f"gated_delta_rule chunk must be an int >= 0, "
-           f"got {attrs['chunk']!r}")
-    _act(qk, 2, "gated_delta_rule qk")
+    _check(hv % hk == 0, f"batch_gated_delta_rule: {hk} k heads do not group {hv} v heads")
+    _check(isinstance(attrs["chunk"], int) and attrs["chunk"] >= 0, f"batch_gated_delta_rule chunk must be an int "
+           f">= 0, got {attrs['chunk']!r}")
+    _act(qk, 2, "batch_gated_delta_rule qk")
     rows = qk.shape[0]
-    _check(qk.shape[1] == 2 * hk * dk, f"gated_delta_rule qk {qk} is not q and k of {hk} x {dk}")
-    _act(qkv, 2, "gated_delta_rule qkv")
-    _check(qkv.shape == (rows, 2 * hk * dk + hv * dv), f"gated_delta_rule qkv {qkv} is not q, k and v ({hv} x {dv})")
-    _check(gates == TensorType((rows, hv, 2), "float32"), f"gated_delta_rule gates must be float32[{rows}, {hv}, 2], "
-           f"got {gates}")
-    _check(state == TensorType((hv, dk, dv), "float32"), f"gated_delta_rule state must be float32[{hv}, {dk}, {dv}], "
-           f"got {state}")
-    return [TensorType((rows, hv * dv), "float32"), state]
+    _check(qk.shape[1] == 2 * hk * dk, f"batch_gated_delta_rule qk {qk} is not q and k of {hk} x {dk}")
+    _act(qkv, 2, "batch_gated_delta_rule qkv")
+    _check(qkv.shape == (rows, 2 * hk * dk + hv * dv), f"batch_gated_delta_rule qkv {qkv} is not q, k and v "
+           f"({hv} x {dv})")
+    _check(gates == TensorType((rows, hv, 2), "float32"), f"batch_gated_delta_rule gates must be float32[{rows}, "
+           f"{hv}, 2], got {gates}")
+    _check(state == (hv, dk, dv), f"batch_gated_delta_rule pool slots must be [{hv}, {dk}, {dv}], got {state}")
+    return TensorType((rows, hv * dv), "float32")
 
 
 def _sequences(t: TensorType, rows, what: str) -> None:
@@ -149,7 +138,9 @@ def _batch_causal_conv1d(ins, attrs):
     x, pool, w, *seq = ins
     _check(pool.dtype == "float32" and len(pool.shape) == 3, f"batch_causal_conv1d pool must be float32 "
            f"[slots, kernel - 1, channels], got {pool}")
-    _causal_conv1d([x, TensorType(pool.shape[1:], "float32"), w, TensorType((), "int32")], attrs)
+    _act(x, 2, "batch_causal_conv1d input")
+    _check(pool.shape[2] == x.shape[1], f"batch_causal_conv1d pool {pool} does not hold {x.shape[1]} channels")
+    _weight(w, (x.shape[1], 1, pool.shape[1] + 1), "batch_causal_conv1d weight")
     _batch_recurrent(seq, "batch_causal_conv1d")
     return [x, pool]
 
@@ -158,7 +149,7 @@ def _batch_gated_delta_rule(ins, attrs):
     qk, qkv, gates, pool, *seq = ins
     _check(pool.dtype == "float32" and len(pool.shape) == 4, f"batch_gated_delta_rule pool must be float32 "
            f"[slots, v heads, k_dim, v_dim], got {pool}")
-    out, _ = _gated_delta_rule([qk, qkv, gates, TensorType(pool.shape[1:], "float32")], {**attrs, "chunk": 0})
+    out = _delta_rule_types(qk, qkv, gates, pool.shape[1:], attrs)
     _batch_recurrent(seq, "batch_gated_delta_rule")
     return [out, pool]
 
@@ -180,8 +171,10 @@ def _padded_attention(ins, attrs):
         _check(t.dtype == "float32" and len(t.shape) == 3, f"padded_attention {what} history must be float32 "
                f"[rows, positions, width], got {t}")
     _check(k.shape == v.shape, f"padded_attention key {k} and value {v} histories differ")
-    _attention([q, TensorType(k.shape[1:], "float32"), TensorType(v.shape[1:], "float32"), TensorType((), "int32"),
-                TensorType((), "int32")], attrs)
+    heads, kv_heads, head_dim = _heads(attrs, "padded_attention")
+    _act(q, 2, "padded_attention query")
+    _check(q.shape[1] == heads * head_dim and k.shape[2] == kv_heads * head_dim, f"padded_attention query {q} and "
+           f"history {k} are not {heads} and {kv_heads} heads of {head_dim}")
     for t, what in ((row_of, "row_of"), (pos_of, "pos_of")):
         _check(t == TensorType((q.shape[0],), "int32"), f"padded_attention {what} must be int32[{q.shape[0]}], got {t}")
     return [q]
@@ -197,16 +190,11 @@ def _linear(ins, attrs):
     return [TensorType((x.shape[0], w.shape[0]), "float32")]
 
 
-def _positions(pos: TensorType, rows, what: str) -> None:
-    """A start position (int32 scalar) or one position per row (int32 vector)."""
-    _check(pos.dtype == "int32" and (pos.shape == () or pos.shape == (rows,)),
-           f"{what} must be an int32 scalar or one int32 position per row ({rows}), got {pos}")
-
-
 def _rope(ins, attrs):
     x, pos = ins
     _act(x, 2, "rope input")
-    _positions(pos, x.shape[0], "rope pos")
+    _check(pos == TensorType((x.shape[0],), "int32"), f"rope pos must be one int32 position per row "
+           f"({x.shape[0]}), got {pos}")
     head_dim, inv_freq = attrs["head_dim"], attrs["inv_freq"]
     _check(isinstance(head_dim, int) and head_dim > 0, f"rope head_dim must be a positive int, got {head_dim!r}")
     _check(x.shape[1] % head_dim == 0, f"rope features {x.shape[1]} not a multiple of head_dim {head_dim}")
@@ -214,31 +202,12 @@ def _rope(ins, attrs):
     return [x]
 
 
-def _kv_append(ins, attrs):
-    cache, new, pos, n = ins
-    _check(cache.dtype == "float32" and len(cache.shape) == 2, f"kv cache must be float32 of rank 2, got {cache}")
-    _act(new, 2, "kv_append new rows")
-    _check(new.shape[1] == cache.shape[1], f"kv_append rows {new} do not fit cache {cache}")
-    _scalar(pos, "kv_append pos")
-    _scalar(n, "kv_append n")
-    return [cache]
-
-
-def _attention(ins, attrs):
-    q, k, v, pos, n = ins
+def _heads(attrs: dict, what: str) -> tuple[int, int, int]:
+    """An attention op's (heads, kv heads, head_dim): positive, the kv heads grouping the heads."""
     heads, kv_heads, head_dim = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
-    _check(all(isinstance(v, int) and v > 0 for v in (heads, kv_heads, head_dim)),
-           f"attention heads, kv heads and head_dim must be positive ints, got {heads!r}, {kv_heads!r}, {head_dim!r}")
-    _act(q, 2, "attention query")
-    _check(q.shape[1] == heads * head_dim, f"attention query {q} is not {heads} heads of {head_dim}")
-    _check(heads % kv_heads == 0, f"{heads} heads do not group over {kv_heads} kv heads")
-    for cache, what in ((k, "key"), (v, "value")):
-        _check(cache.dtype == "float32" and len(cache.shape) == 2 and cache.shape[1] == kv_heads * head_dim,
-               f"attention {what} cache {cache} is not {kv_heads} heads of {head_dim}")
-    _check(k.shape == v.shape, f"key cache {k} and value cache {v} differ")
-    _scalar(pos, "attention pos")
-    _scalar(n, "attention n")
-    return [q]
+    _check(all(isinstance(x, int) and x > 0 for x in (heads, kv_heads, head_dim)) and heads % kv_heads == 0,
+           f"{what} heads {heads!r} / kv heads {kv_heads!r} / head_dim {head_dim!r} are inconsistent")
+    return heads, kv_heads, head_dim
 
 
 def _paged_kv_append(ins, attrs):
@@ -252,9 +221,7 @@ def _paged_kv_append(ins, attrs):
 
 def _paged_attention(ins, attrs):
     q, k, v, table, row_of, pos_of = ins
-    heads, kv_heads, head_dim = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
-    _check(all(isinstance(x, int) and x > 0 for x in (heads, kv_heads, head_dim)) and heads % kv_heads == 0,
-           f"paged_attention heads {heads!r} / kv heads {kv_heads!r} / head_dim {head_dim!r} are inconsistent")
+    heads, kv_heads, head_dim = _heads(attrs, "paged_attention")
     _act(q, 2, "paged_attention query")
     _check(q.shape[1] == heads * head_dim, f"paged_attention query {q} is not {heads} heads of {head_dim}")
     for pages, what in ((k, "key"), (v, "value")):
@@ -279,13 +246,6 @@ def _elementwise(ins, attrs):
     _act(a, 2, "elementwise input")
     _check(a == b, f"elementwise inputs differ: {a} vs {b}")
     return [a]
-
-
-def _take_last(ins, attrs):
-    x, n = ins
-    _act(x, 2, "take_last input")
-    _scalar(n, "take_last n")
-    return [TensorType((1, x.shape[1]), "float32")]
 
 
 @dataclass(frozen=True)
@@ -320,25 +280,19 @@ OPS: dict[str, OpSpec] = {
     "add_rms_norm": OpSpec(("x", "residual", "weight"), ("eps",), _add_rms_norm, optional_attrs=("weight_offset",)),
     "linear": OpSpec(("x", "weight"), (), _linear, optional_inputs=("bias",)),
     "rope": OpSpec(("x", "pos"), ("head_dim", "inv_freq"), _rope),
-    "kv_append": OpSpec(("cache", "new", "pos", "n"), (), _kv_append, inplace=(0,)),
-    "attention": OpSpec(("q", "k_cache", "v_cache", "pos", "n"), ("num_heads", "num_kv_heads", "head_dim", "scale"), _attention),
     "silu_mul": OpSpec(("gate", "up"), (), _elementwise),
     "add": OpSpec(("a", "b"), (), _elementwise),
-    "take_last": OpSpec(("x", "n"), (), _take_last),
     "paged_kv_append": OpSpec(("pages", "new", "slots"), (), _paged_kv_append, inplace=(0,)),
     "paged_attention": OpSpec(("q", "k_pages", "v_pages", "block_table", "row_of", "pos_of"),
                               ("num_heads", "num_kv_heads", "head_dim", "scale"), _paged_attention),
     "take_rows": OpSpec(("x", "index"), (), _take_rows),
     "slice_cols": OpSpec(("x",), ("period", "offset", "width"), _slice_cols),
     "sigmoid_mul": OpSpec(("gate", "x"), (), _elementwise),
-    "causal_conv1d": OpSpec(("x", "state", "weight", "n"), (), _causal_conv1d, inplace=(-1, 1)),
     "delta_inputs": OpSpec(("qkv", "a", "b", "a_log", "dt_bias", "n"), ("num_k_heads", "k_dim"), _delta_inputs),
-    "gated_delta_rule": OpSpec(("qk", "qkv", "gates", "state"), ("num_k_heads", "num_v_heads", "k_dim", "v_dim",
-                                                                  "chunk"), _gated_delta_rule, inplace=(-1, 3)),
     "batch_causal_conv1d": OpSpec(("x", "pool", "weight") + SEQUENCE_INPUTS, (), _batch_causal_conv1d,
                                   inplace=(-1, 1)),
     "batch_gated_delta_rule": OpSpec(("qk", "qkv", "gates", "pool") + SEQUENCE_INPUTS,
-                                     ("num_k_heads", "num_v_heads", "k_dim", "v_dim"), _batch_gated_delta_rule,
+                                     ("num_k_heads", "num_v_heads", "k_dim", "v_dim", "chunk"), _batch_gated_delta_rule,
                                      inplace=(-1, 3)),
     "gather_pages": OpSpec(("pages", "block_table"), (), _gather_pages),
     "padded_attention": OpSpec(("q", "k_history", "v_history", "row_of", "pos_of"),

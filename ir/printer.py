@@ -17,7 +17,8 @@ def format_program(program: Program) -> str:
     lines += [f"  param {p.name}: {p.type}" for p in program.params.values()]
     for g in program.entries.values():
         args = ", ".join(f"%{v}: {g.types[v]}" for v in g.inputs)
-        lines.append(f"entry {g.name}({args}) {{")
+        over = f" over [{', '.join(g.bucket_dims)}]" if g.bucket_dims else ""
+        lines.append(f"{'optional ' if g.optional else ''}entry {g.name}({args}){over} {{")
         for op in g.ops:
             outs = ", ".join(f"%{o}: {g.types[o]}" for o in op.outputs)
             ins = ", ".join(f"%{v}" if v in g.types else f"@{v}" for v in op.inputs)

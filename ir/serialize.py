@@ -7,7 +7,7 @@ import json
 
 from .graph import Graph, Op, Param, Program, Role, TensorType
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 def _type(t: TensorType) -> dict:
@@ -32,6 +32,8 @@ def to_json_dict(program: Program) -> dict:
                 "inputs": g.inputs,
                 "roles": {name: [role.kind, role.layer] for name, role in g.roles.items()},
                 "outputs": g.outputs,
+                "bucket_dims": list(g.bucket_dims),
+                "optional": g.optional,
                 "types": {k: _type(t) for k, t in g.types.items()},
                 "ops": [{"kind": o.kind, "inputs": list(o.inputs), "outputs": list(o.outputs), "attrs": o.attrs}
                         for o in g.ops],
@@ -51,7 +53,8 @@ def from_json_dict(d: dict) -> Program:
         ops = [Op(o["kind"], tuple(o["inputs"]), tuple(o["outputs"]), o["attrs"]) for o in e["ops"]]
         types = {k: _untype(t) for k, t in e["types"].items()}
         roles = {name: Role(kind, layer) for name, (kind, layer) in e["roles"].items()}
-        entries[e["name"]] = Graph(e["name"], list(e["inputs"]), ops, list(e["outputs"]), types, roles)
+        entries[e["name"]] = Graph(e["name"], list(e["inputs"]), ops, list(e["outputs"]), types, roles,
+                                   tuple(e["bucket_dims"]), e["optional"])
     return Program(d["model_type"], params, entries, d["meta"])
 
 

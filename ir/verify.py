@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .graph import INPUT_ROLES, WEIGHT_TRANSFORMS, Graph, Program
+from .graph import BUCKET_AXES, INPUT_ROLES, WEIGHT_TRANSFORMS, Graph, Program
 from .ops import OPS, IRError, infer_types
 
 
@@ -48,6 +48,11 @@ def verify_graph(graph: Graph, program: Program) -> None:
     stray = set(graph.types) - (defined - set(program.params))
     if stray:
         raise IRError(f"{where}: types given for values never defined: {sorted(stray)}")
+    input_dims = {d for name in graph.inputs for d in graph.types[name].shape if isinstance(d, str)}
+    bad = [d for d in graph.bucket_dims if d not in BUCKET_AXES or d not in input_dims]
+    if bad or len(set(graph.bucket_dims)) != len(graph.bucket_dims):
+        raise IRError(f"{where}: bucket dims {list(graph.bucket_dims)} must be distinct bucket axes "
+                      f"({', '.join(BUCKET_AXES)}) that its inputs use ({sorted(input_dims)})")
 
 
 def verify(program: Program) -> Program:

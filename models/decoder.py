@@ -1,7 +1,10 @@
 """The decoder-only transformer that Llama and Qwen2 share: config record and IR builder.
 
-    ids -> embed -> N x [RMSNorm -> attention (RoPE, GQA, KV cache) -> +residual
+    ids -> embed -> N x [RMSNorm -> attention (RoPE, GQA, paged KV) -> +residual
                          RMSNorm -> SwiGLU MLP -> +residual] -> RMSNorm -> lm_head -> logits
+
+Its graphs are steps: the new tokens of one or more sequences in one flat list of token rows, their
+KV in pages of a shared arena. One request is a batch of one.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from typing import Mapping
 
 from ir import (
     BLOCK,
-    CONTEXT,
     PAGES,
     PAGES_PER_ROW,
     ROWS,
@@ -131,53 +133,28 @@ def checkpoint_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
 
 
 def build_decoder_program(c: DecoderConfig, param_dtypes: Mapping[str, str] | None = None) -> Program:
-    """Prefill, decode and batched-step graphs of the decoder; params in `param_dtypes` (default: the config's dtype)."""
-    return assemble_program(c, checkpoint_shapes(c), param_dtypes, _entry, _step_entry)
+    """The step graphs of the decoder (fused paged attention, and the legacy gather path); params in `param_dtypes`
+    (default: the config's dtype)."""
+    return assemble_program(c, checkpoint_shapes(c), param_dtypes, _step_entry)
 
 
-def assemble_program(c: DecoderConfig, shapes: dict, param_dtypes: Mapping[str, str] | None, entry, step_entry) -> Program:
-    """The verified program: params of these checkpoint shapes, `entry` graphs for prefill (TOKENS) and decode (one
-    token), `step_entry` graphs for batches (fused paged attention, and the legacy gather path)."""
+def assemble_program(c: DecoderConfig, shapes: dict, param_dtypes: Mapping[str, str] | None, step_entry) -> Program:
+    """The verified program: params of these checkpoint shapes, `step_entry` graphs (fused paged attention, and
+    the legacy gather path)."""
     dtypes = param_dtypes or {}
     params = {n: Param(n, TensorType(s, dtypes.get(n, c.dtype))) for n, s in shapes.items()}
-    entries = {name: entry(c, params, name, tokens) for name, tokens in (("prefill", TOKENS), ("decode", 1))}
-    entries |= {"step": step_entry(c, params, gather=False), "step_gather": step_entry(c, params, gather=True)}
+    entries = {"step": step_entry(c, params, gather=False), "step_gather": step_entry(c, params, gather=True)}
     return verify(Program(c.model_type, params, entries, {"config": asdict(c)}))
 
 
-def _entry(c: DecoderConfig, params: dict[str, Param], name: str, tokens):
-    g = GraphBuilder(name, params)
-    ids, pos, n = single_sequence_inputs(g, tokens)
-    kv = c.num_key_value_heads * c.head_dim
-    caches = [tuple(g.input(f"{part}_cache.{i}", (CONTEXT, kv), "float32", f"{part}_cache", i) for part in ("k", "v"))
-              for i in range(c.num_hidden_layers)]
-    h = g.op("embedding", ["model.embed_tokens.weight", ids], "embed")
-    for i, (k_cache, v_cache) in enumerate(caches):
-        def attend(q, k, v, p, k_cache=k_cache, v_cache=v_cache):
-            k_all = g.op("kv_append", [k_cache, k, pos, n], p + "k_cache")
-            v_all = g.op("kv_append", [v_cache, v, pos, n], p + "v_cache")
-            return g.op("attention", [q, k_all, v_all, pos, n], p + "attn", **attention_attrs(c))
-        h = _layer(g, c, f"model.layers.{i}.", h, pos, attend)
-    h = g.op("rms_norm", [h, "model.norm.weight"], "final_norm", eps=c.rms_norm_eps)
-    logits = logits_head(g, c, h, n, tokens, "model.embed_tokens")
-    return eliminate_dead_values(fuse_add_rms_norm(g.finish([logits])))
-
-
-def logits_head(g: GraphBuilder, c: DecoderConfig, h: str, n: str, tokens, embed: str) -> str:
-    """Logits of the last valid token of the normalised hidden states (lm_head, or the tied embedding module)."""
-    if tokens != 1:
-        h = g.op("take_last", [h, n], "last")
-    return lm_head(g, h, embed, c.tie_word_embeddings)
-
-
 def _step_entry(c: DecoderConfig, params: dict[str, Param], gather: bool):
-    """Batched execution over a paged KV arena: the tokens of many sequences in one flat row list.
+    """One step over a paged KV arena: the new tokens of one or more sequences in one flat row list.
 
     Each token row says its sequence (`row_of`), position (`pos_of`) and KV slot (`slots`, page *
     block + offset, negative for padding); `block_table` maps each sequence's positions to pages;
     `last` picks each sequence's row whose logits are wanted. `gather` builds the legacy path.
     """
-    g = GraphBuilder("step_gather" if gather else "step", params)
+    g = step_builder(params, gather)
     step = step_inputs(g)
     kv = c.num_key_value_heads * c.head_dim
     arenas = [tuple(g.input(f"{kind}_pages.{i}", (PAGES, BLOCK, kv), "float32", f"{kind}_pages", i) for kind in ("k", "v"))
@@ -189,15 +166,14 @@ def _step_entry(c: DecoderConfig, params: dict[str, Param], gather: bool):
     return eliminate_dead_values(fuse_add_rms_norm(g.finish([batch_logits(g, c, h, step, "model.embed_tokens")])))
 
 
-def single_sequence_inputs(g: GraphBuilder, tokens) -> tuple[str, str, str]:
-    """The inputs of a one-sequence call: token ids (a bucket of `tokens`), the first one's position, how many
-    are real."""
-    return (g.input("ids", (tokens,), "int32", "token_ids"), g.input("pos", (), "int32", "start_position"),
-            g.input("n", (), "int32", "token_count"))
+def step_builder(params: dict[str, Param], gather: bool) -> GraphBuilder:
+    """The builder of a step entry, compiled per token and row bucket: `step`, or the optional legacy attention
+    path `step_gather` (built on request)."""
+    return GraphBuilder("step_gather" if gather else "step", params, bucket_dims=(TOKENS, ROWS), optional=gather)
 
 
 def step_inputs(g: GraphBuilder, sequences: bool = False) -> dict[str, str]:
-    """The per-token and per-sequence inputs of a batched step (`sequences`: those recurrent ops need too)."""
+    """The per-token and per-sequence inputs of a step (`sequences`: those recurrent ops need too)."""
     names = {name: g.input(name, (TOKENS,), "int32", role) for name, role in (
         ("ids", "token_ids"), ("pos_of", "token_positions"), ("row_of", "token_rows"), ("slots", "kv_slots"))}
     names["block_table"] = g.input("block_table", (ROWS, PAGES_PER_ROW), "int32", "block_table")
@@ -209,7 +185,7 @@ def step_inputs(g: GraphBuilder, sequences: bool = False) -> dict[str, str]:
 
 
 def paged_attend(g: GraphBuilder, c: DecoderConfig, step: dict[str, str], k_pages: str, v_pages: str, gather: bool):
-    """attend(q, k, v, prefix) of a batched step: append k/v to the layer's pages, attend over each row's pages
+    """attend(q, k, v, prefix) of a step: append k/v to the layer's pages, attend over each row's pages
     (fused), or over its history gathered from them into a padded tensor first (`gather`, the legacy path)."""
     def attend(q, k, v, p):
         k_all = g.op("paged_kv_append", [k_pages, k, step["slots"]], p + "k_pages")

@@ -7,7 +7,7 @@
 - `linear_attention`: in_proj_qkv -> causal depthwise conv1d (rolling state) + SiLU -> gated delta rule
   (recurrent state) -> RMSNorm per value head, times SiLU(in_proj_z) -> out_proj;
 - `full_attention`: q_proj gives the query and a gate per head; q/k RMSNorm per head, rotary on the
-  first `partial_rotary_factor` of each head, causal attention over the KV cache, times sigmoid(gate)
+  first `partial_rotary_factor` of each head, causal attention over the paged KV, times sigmoid(gate)
   -> o_proj.
 Every RMSNorm except the gated one scales by (1 + weight). Two config forms: `qwen3_5_text` (weights
 under `model.`) and `qwen3_5` with a `text_config` (the image-text checkpoint, weights under
@@ -22,7 +22,6 @@ from typing import Mapping
 
 from ir import (
     BLOCK,
-    CONTEXT,
     PAGES,
     SLOTS,
     GraphBuilder,
@@ -38,12 +37,10 @@ from .layers import linear, swiglu_mlp
 from .decoder import (
     DecoderConfig,
     assemble_program,
-    attention_attrs,
     batch_logits,
     decoder_fields,
-    logits_head,
     paged_attend,
-    single_sequence_inputs,
+    step_builder,
     step_inputs,
 )
 
@@ -169,41 +166,14 @@ def checkpoint_shapes(c: Qwen35Config) -> dict[str, tuple[int, ...]]:
 
 
 def build_program(c: Qwen35Config, param_dtypes: Mapping[str, str] | None = None) -> Program:
-    """Prefill, decode and batched-step graphs (fused and legacy paged attention); params in `param_dtypes`."""
-    return assemble_program(c, checkpoint_shapes(c), param_dtypes, _entry, _step_entry)
-
-
-def _entry(c: Qwen35Config, params: dict[str, Param], name: str, tokens):
-    """One sequence: a prefill chunk of `tokens` (n of them valid) at position `pos`, or one decode token."""
-    g = GraphBuilder(name, params)
-    ids, pos, n = single_sequence_inputs(g, tokens)
-    kv = c.num_key_value_heads * c.head_dim
-    mixers = []
-    for i, kind in enumerate(c.layer_types):
-        if kind == "full_attention":
-            k_cache, v_cache = (g.input(f"{part}_cache.{i}", (CONTEXT, kv), "float32", f"{part}_cache", i)
-                                for part in ("k", "v"))
-
-            def attend(q, k, v, layer, k_cache=k_cache, v_cache=v_cache):
-                k_all = g.op("kv_append", [k_cache, k, pos, n], layer + "k_cache")
-                v_all = g.op("kv_append", [v_cache, v, pos, n], layer + "v_cache")
-                return g.op("attention", [q, k_all, v_all, pos, n], layer + "attn", **attention_attrs(c))
-            mixers.append(partial(_gated_attention, g, c, pos=pos, attend=attend))
-        else:
-            conv = g.input(f"conv_state.{i}", (c.conv_kernel - 1, c.conv_dim), "float32", "conv_state", i)
-            delta = g.input(f"delta_state.{i}", (c.linear_num_value_heads, c.linear_key_head_dim,
-                                                 c.linear_value_head_dim), "float32", "recurrent_state", i)
-            recurrent = partial(_solo_recurrence, g, c, n, conv, delta, 0 if tokens == 1 else PREFILL_CHUNK)
-            mixers.append(partial(_gated_delta_net, g, c, n=n, recurrence=recurrent))
-    h = _decoder(g, c, ids, mixers)
-    return eliminate_dead_values(fuse_add_rms_norm(g.finish([logits_head(g, c, h, n, tokens,
-                                                                         c.weight_prefix + "embed_tokens")])))
+    """The step graphs (fused and legacy paged attention); params in `param_dtypes`."""
+    return assemble_program(c, checkpoint_shapes(c), param_dtypes, _step_entry)
 
 
 def _step_entry(c: Qwen35Config, params: dict[str, Param], gather: bool):
-    """A batch of sequences (see models.decoder's step): KV in a paged arena per attention layer, the conv and
-    recurrent states of linear-attention layers in a pool of per-sequence slots."""
-    g = GraphBuilder("step_gather" if gather else "step", params)
+    """A step over one or more sequences (see models.decoder's step): KV in a paged arena per attention layer, the
+    conv and recurrent states of linear-attention layers in a pool of per-sequence slots."""
+    g = step_builder(params, gather)
     step = step_inputs(g, sequences=True)
     kv = c.num_key_value_heads * c.head_dim
     seqs = [step[name] for name in SEQUENCE_INPUTS]
@@ -280,17 +250,11 @@ def _delta_attrs(c: Qwen35Config) -> dict:
             "k_dim": c.linear_key_head_dim, "v_dim": c.linear_value_head_dim}
 
 
-def _solo_recurrence(g, c, n, conv_state, delta_state, chunk, layer, a, qkv, prepare) -> str:
-    """Conv and delta rule of one sequence over its own states (chunked form for prefill, recurrent for decode)."""
-    mixed, _ = g.op("causal_conv1d", [qkv, conv_state, a + "conv1d.weight", n], layer + "conv")
-    qk, gates = prepare(mixed)
-    core, _ = g.op("gated_delta_rule", [qk, mixed, gates, delta_state], layer + "delta", chunk=chunk, **_delta_attrs(c))
-    return core
-
-
 def _batch_recurrence(g, c, seqs, conv_pool, delta_pool, layer, a, qkv, prepare) -> str:
-    """Conv and delta rule of a batch, each sequence over its own state slot."""
+    """Conv and delta rule of a step, each sequence over its own state slot (the chunked delta rule for a step of
+    one sequence: see compiler.kernels.batch_gated_delta_rule)."""
     mixed, _ = g.op("batch_causal_conv1d", [qkv, conv_pool, a + "conv1d.weight", *seqs], layer + "conv")
     qk, gates = prepare(mixed)
-    core, _ = g.op("batch_gated_delta_rule", [qk, mixed, gates, delta_pool, *seqs], layer + "delta", **_delta_attrs(c))
+    core, _ = g.op("batch_gated_delta_rule", [qk, mixed, gates, delta_pool, *seqs], layer + "delta",
+                    chunk=PREFILL_CHUNK, **_delta_attrs(c))
     return core

@@ -19,8 +19,8 @@ from .scheduler import (
 
 def arena_config(model: CompiledModel) -> PagedKvCacheConfig:
     """The paged KV layout the artifact was built for (all its pages, the longest sequence it holds)."""
-    b = model.batch_layout()
-    return PagedKvCacheConfig(b.kv_block, b.kv_pages, b.pages_per_row * b.kv_block)
+    b = model.buckets
+    return PagedKvCacheConfig(b.kv_block, b.kv_pages, b.max_context)
 
 
 class BatchExecutor:
@@ -37,13 +37,13 @@ class BatchExecutor:
     def __init__(self, model: CompiledModel, batch_config: ContinuousBatchConfig,
                  kv_config: PagedKvCacheConfig | None = None, default_eos_token_ids: Sequence[int] = ()):
         self.model = model
-        b = model.batch_layout()
+        b = model.buckets
         built = arena_config(model)
         kv_config = kv_config or built
         if kv_config.block_size != built.block_size or kv_config.num_pages > built.num_pages \
                 or kv_config.max_sequence_length > built.max_sequence_length:
             raise GenerationError(f"{kv_config} does not fit the artifact's KV arena {built}; rebuild with other "
-                                  "--kv-pages / --kv-block-size / --context-buckets")
+                                  "--kv-pages / --kv-block-size / --max-context")
         if batch_config.max_active_sequences > b.batch_rows[-1] or batch_config.max_batch_tokens > b.prefill_tokens[-1]:
             raise GenerationError(f"{batch_config} exceeds the artifact's batch steps (rows up to {b.batch_rows[-1]}, "
                                   f"tokens up to {b.prefill_tokens[-1]}); rebuild with larger --batch-rows / "

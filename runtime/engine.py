@@ -1,41 +1,32 @@
-"""A compiled model ready to run: artifact checks, weights, KV caches, prefill and decode steps."""
+"""A compiled model ready to run: its checked artifact (runtime/artifact.py), weights, the paged KV arena, steps.
+
+Every call is a step of the artifact's one execution path: the new tokens of one or more sequences,
+their KV in pages of an arena. A single sequence (`new_cache` / `forward`) is a batch of one: its
+pages come from an arena the model keeps for such sequences; the batch executor has its own.
+"""
 
 from __future__ import annotations
 
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import tvm
 import tvm_ffi
-from tvm.runtime.vm import VirtualMachine
 
 import models
-from ir import CONTEXT
-from ir.contract import (
-    MODEL_PACKAGES,
-    MODULE,
-    ArtifactError,
-    Buckets,
-    InputSpec,
-    build_command,
-    config_hash,
-    default_artifact_dir,
-    read_manifest,
-    source_hash,
-    verify_files,
-)
-from ir.cpu_features import missing_host_features
-from ir.graph import PAGED_KV_ROLES, RECURRENT_ROLES
+from ir.contract import ATTENTION_ENTRIES, InputSpec, build_command
 from ir.errors import RudaError
-from .cpu import enable_amx, use_all_cores
+from ir.graph import PAGED_KV_ROLES, RECURRENT_ROLES, ROWS, TOKENS
+
+from .artifact import TARGETS, last_line, open_artifact
+from .cpu import use_all_cores
 from .weights import load_params
 
-TARGETS = {"cpu": "llvm", "cuda": "cuda"}
 PAGED_ATTENTION_ENV = "RUDA_PAGED_ATTENTION"
-ATTENTION_PATHS = {"fused": "step", "legacy": "gather"}  # RUDA_PAGED_ATTENTION -> batched step functions
 
 
 class GenerationError(RudaError):
@@ -57,36 +48,55 @@ class BatchCache:
     def check(self) -> None:
         """Raise if a failed step has made this cache unusable."""
         if not self.valid:
-            raise GenerationError("this batch cache is unusable after a failed step (its state may be half-written); "
-                                  "create a new one with new_batch_cache()")
+            raise GenerationError("this cache is unusable after a failed step (its state may be half-written); create "
+                                  "a new one: new_cache() for one sequence, new_batch_cache() for a batch")
 
 
-@dataclass
+class _SequenceArena:
+    """The arena of the model's single sequences: its device tensors, and which pages and state slots are free."""
+
+    def __init__(self, cache: BatchCache, pages: int, slots: int):
+        self.cache = cache
+        self.free_pages = list(range(pages - 1, -1, -1))  # taken from the end: page 0 first
+        self.free_slots = list(range(slots - 1, -1, -1))
+
+    def release(self, pages: list[int], slot: int | None) -> None:
+        """Return a sequence's pages and slot."""
+        self.free_pages.extend(reversed(pages))
+        pages.clear()
+        if slot is not None:
+            self.free_slots.append(slot)
+
+
 class KVCache:
-    """One sequence's state for every layer at one capacity bucket: keys and values of attention
-    layers, and the (zero-initialised) conv and recurrent states of linear-attention layers."""
+    """One sequence's state in the model's arena: its KV pages (taken as it grows), its recurrent-state slot (for
+    models with linear-attention layers), how many tokens it holds and may hold. `release()` (or dropping the
+    last reference) gives the pages and the slot back."""
 
-    tensors: list[tvm.runtime.Tensor]
-    capacity: int
-    length: int = 0
+    def __init__(self, arena: _SequenceArena, capacity: int, block: int, slot: int | None):
+        self.arena, self.capacity, self.length, self.slot = arena, capacity, 0, slot
+        self.pages: list[int] = []
+        self._block = block
+        self._release = weakref.finalize(self, arena.release, self.pages, slot)
 
+    @property
+    def released(self) -> bool:
+        """Whether the pages and slot were given back (the cache can no longer be used)."""
+        return not self._release.alive
 
-def _without(options: tuple[str, ...], *flags: str) -> tuple[str, ...]:
-    """Build options with these flags (and their values) left out."""
-    out, skip = [], False
-    for option in options:
-        if skip:
-            skip = False
-        elif option in flags:
-            skip = True
-        else:
-            out.append(option)
-    return tuple(out)
+    def release(self) -> None:
+        """Give the pages and slot back to the arena now."""
+        self._release()
 
-
-def _last_line(error: Exception) -> str:
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else type(error).__name__
+    def reserve(self, tokens: int) -> None:
+        """Take pages until the cache holds `tokens` tokens, or raise if the arena has too few free."""
+        needed = -(-tokens // self._block) - len(self.pages)
+        free = self.arena.free_pages
+        if needed > len(free):
+            raise GenerationError(f"the KV arena has {len(free)} free pages; this sequence needs {needed} more (other "
+                                  "live caches hold the rest): release caches you no longer use (cache.release()), "
+                                  "or rebuild with a larger --kv-pages")
+        self.pages.extend(free.pop() for _ in range(max(needed, 0)))
 
 
 def prefill_chunk(remaining: int, buckets: list[int]) -> int:
@@ -114,101 +124,43 @@ class CompiledModel:
             use_all_cores()  # before the first parallel kernel starts TVM's thread pool
         self.model_dir = Path(model_dir)
         raw, self.config, entries, dtypes = models.load_checkpoint(model_dir)
-        if artifact is not None and not isinstance(artifact, (str, os.PathLike)):
-            raise ArtifactError(f"artifact must be a path, got {type(artifact).__name__}")
-        self.artifact = Path(artifact) if artifact is not None else default_artifact_dir(model_dir, self.target)
-        self.manifest = read_manifest(self.artifact, build_command(model_dir, self.target, artifact))
-        self._check_target(artifact)
-        rebuild = build_command(model_dir, self.target, artifact, self.manifest.build_options)
-        self._check_manifest(raw, dtypes, rebuild)
-        verify_files(self.artifact, self.manifest, rebuild)
-        try:
-            self._vm = VirtualMachine(tvm.runtime.load_module(str(self.artifact / MODULE)), self.device)
-            self._functions = {name: self._vm[name] for name in self.manifest.functions}
-        except Exception as e:  # TVM raises bare errors for a module it cannot load
-            raise ArtifactError(f"{self.artifact / MODULE} cannot be loaded ({_last_line(e)}); rebuild: {rebuild}") \
-                from None
+        opened = open_artifact(self.model_dir, artifact, self.target, self.device, (raw, self.config, dtypes))
+        self.artifact, self.manifest, self._functions = opened.path, opened.manifest, opened.functions
         self._params = tvm_ffi.Array(load_params(entries, self.manifest.params, self.device))
-        self.prefill_buckets = self.manifest.buckets.prefill_tokens
-        self.context_buckets = self.manifest.buckets.context
+        self.buckets = self.manifest.buckets
+        self._arena: _SequenceArena | None = None  # made at the first new_cache()
         self.load_seconds = time.perf_counter() - start
-
-    def _check_target(self, artifact) -> None:
-        """The artifact must be for this device; else say which device runs it and how to build for this one."""
-        kind = self.manifest.target.kind
-        if kind == self.target:
-            return
-        device = next(d for d, t in TARGETS.items() if t == kind)
-        raise ArtifactError(f"{self.artifact} was built for --target {kind}: run it with --device {device}, or build "
-                            f"one for this device: {build_command(self.model_dir, self.target, artifact)}")
-
-    def _check_manifest(self, raw_config: dict, dtypes: dict[str, str], rebuild: str) -> None:
-        m = self.manifest
-        if m.model_type != self.config.model_type or m.config_hash != config_hash(raw_config):
-            raise ArtifactError(f"{self.artifact} was built for another model or config.json "
-                                f"(built from {m.built_from}); rebuild: {rebuild}")
-        if m.tvm_version != tvm.__version__:
-            raise ArtifactError(f"{self.artifact} was built with TVM {m.tvm_version}, this is TVM {tvm.__version__}; "
-                                f"rebuild: {rebuild}")
-        if m.model_code_hash != source_hash(MODEL_PACKAGES):
-            raise ArtifactError(f"{self.artifact} was built by another version of the model code (ir/, models/); "
-                                f"rebuild: {rebuild}")
-        changed = [f"{name} is {dtypes.get(name)} here, {dtype} in the artifact" for p in m.params
-                   for name, dtype in zip(p.sources, p.source_dtypes) if dtypes.get(name) != dtype]
-        if changed:
-            raise ArtifactError(f"{self.artifact} was built for other weights ({changed[0]}); rebuild: {rebuild}")
-        if self.target == "cuda":
-            arch = int(m.target.arch.removeprefix("sm_"))
-            here = int(self.device.compute_version.replace(".", ""))
-            if arch > here:
-                rebuild_here = build_command(self.model_dir, self.target, self.artifact,
-                                             _without(m.build_options, "--arch") + ("--arch", f"sm_{here}"))
-                raise ArtifactError(f"{self.artifact} holds PTX for {m.target.arch}, which this GPU (sm_{here}) "
-                                    f"cannot run; rebuild: {rebuild_here}")
-        missing = missing_host_features(list(m.target.features))
-        if missing:
-            rebuild_here = build_command(self.model_dir, self.target, self.artifact,
-                                         _without(m.build_options, "--mcpu", "--matmul-precision"))
-            raise ArtifactError(f"{self.artifact} was compiled for CPU {m.target.mcpu!r}, which uses {missing} "
-                                f"that this machine lacks; rebuild here: {rebuild_here}")
-        if "amx-tile" in m.target.features:
-            try:
-                enable_amx()
-            except OSError as e:
-                rebuild_plain = build_command(self.model_dir, self.target, self.artifact,
-                                              _without(m.build_options, "--matmul-precision"))
-                raise ArtifactError(f"{self.artifact} runs its prefill products on AMX tiles, but {e.strerror}; "
-                                    f"rebuild without them: {rebuild_plain}") from None
 
     @property
     def max_context(self) -> int:
         """The most tokens (prompt + generated) one sequence can hold."""
-        return self.context_buckets[-1]
+        return self.buckets.max_context
 
     def check_request(self, prompt_tokens: int, max_new_tokens: int, where: str = "the request") -> None:
         """Refuse a request whose prompt and new tokens cannot fit one sequence's context."""
         if prompt_tokens + max_new_tokens > self.max_context:
             raise GenerationError(f"{where}: {prompt_tokens} prompt tokens + {max_new_tokens} new tokens exceed the "
-                                  f"largest context bucket {self.max_context}; shorten the prompt, ask for fewer new "
-                                  "tokens, or rebuild with a larger --context-buckets (up to max_position_embeddings "
+                                  f"artifact's --max-context {self.max_context}; shorten the prompt, ask for fewer new "
+                                  "tokens, or rebuild with a larger --max-context (up to max_position_embeddings "
                                   f"{self.config.max_position_embeddings})")
 
     def new_cache(self, tokens: int | None = None) -> KVCache:
-        """An empty cache of the smallest capacity bucket that holds `tokens` tokens (default: the largest)."""
+        """An empty sequence that may hold up to `tokens` tokens (default: the artifact's --max-context); its pages
+        are taken from the model's arena as it grows."""
         tokens = self.max_context if tokens is None else tokens
-        fitting = [c for c in self.context_buckets if c >= tokens]
-        if not fitting:
-            raise GenerationError(f"{tokens} tokens exceed the largest context bucket {self.max_context}; shorten "
-                                  "the request or rebuild with a larger --context-buckets (up to "
-                                  f"max_position_embeddings {self.config.max_position_embeddings})")
-        tensors = []
-        for spec in self._states("decode"):
-            shape = tuple(fitting[0] if d == CONTEXT else d for d in spec.shape)
-            if spec.role in RECURRENT_ROLES:  # recurrent state starts at zero
-                tensors.append(tvm.runtime.tensor(np.zeros(shape, spec.dtype), self.device))
-            else:  # KV rows are written before they are read
-                tensors.append(tvm.runtime.empty(shape, spec.dtype, self.device))
-        return KVCache(tensors, fitting[0])
+        if tokens > self.max_context:
+            raise GenerationError(f"{tokens} tokens exceed the artifact's --max-context {self.max_context}; shorten "
+                                  "the request or rebuild with a larger --max-context (up to max_position_embeddings "
+                                  f"{self.config.max_position_embeddings})")
+        if self._arena is None or not self._arena.cache.valid:
+            self._arena = _SequenceArena(self.new_batch_cache(), self.buckets.kv_pages, self.buckets.batch_rows[-1])
+        slot = None
+        if self.has_recurrent_state:
+            if not self._arena.free_slots:
+                raise GenerationError(f"all {self.buckets.batch_rows[-1]} recurrent-state slots are held by live "
+                                      "caches: release one (cache.release()) or rebuild with a larger --batch-rows")
+            slot = self._arena.free_slots.pop()
+        return KVCache(self._arena, tokens, self.buckets.kv_block, slot)
 
     def _states(self, entry: str) -> list[InputSpec]:
         """The state inputs of an entry (caches, pages, recurrent states), in call order."""
@@ -223,48 +175,47 @@ class CompiledModel:
         return self._functions[function](*args, self._params)
 
     def forward(self, token_ids: list[int], cache: KVCache) -> np.ndarray:
-        """Append tokens to the sequence in `cache`; the logits after the last one (float32, vocab)."""
+        """Append tokens to the sequence in `cache`; the logits after the last one (float32, vocab). The tokens run
+        as steps of one row: chunks of the prefill buckets, or a single token."""
         if not token_ids:
             raise GenerationError("no tokens to run; the prompt encodes to an empty sequence")
+        if cache.released:
+            raise GenerationError("this cache was released; create a new one with new_cache()")
         if cache.length + len(token_ids) > cache.capacity:
-            raise GenerationError(f"sequence of {cache.length + len(token_ids)} tokens exceeds its KV cache capacity "
+            raise GenerationError(f"sequence of {cache.length + len(token_ids)} tokens exceeds its cache's capacity "
                                   f"{cache.capacity}; create the cache for the whole request")
         bad = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise GenerationError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.config.vocab_size - 1})")
-        if len(token_ids) == 1:
-            return self._run("decode", f"decode_c{cache.capacity}", token_ids, 1, cache)
+        cache.arena.cache.check()
+        cache.reserve(cache.length + len(token_ids))
         done, logits = 0, None
         while done < len(token_ids):
-            rest = len(token_ids) - done
-            chunk = prefill_chunk(rest, [t for t in self.prefill_buckets if t <= cache.capacity])
-            part = token_ids[done:done + chunk]
-            logits = self._run("prefill", f"prefill_t{chunk}_c{cache.capacity}", part, chunk, cache)
+            part = token_ids[done:done + self._chunk(len(token_ids) - done)]
+            logits = self.step([(part, cache.length, cache.pages, cache.slot or 0)], cache.arena.cache)[0]
+            cache.length += len(part)
             done += len(part)
         return logits
+
+    def _chunk(self, remaining: int) -> int:
+        """Tokens of the next step of one sequence: all that remain when a step bucket fits them exactly (a single
+        token), else a prefill chunk (see prefill_chunk)."""
+        b = self.buckets
+        return remaining if remaining in b.step_tokens else prefill_chunk(remaining, list(b.prefill_tokens))
 
     def forward_cached_last(self, token_ids: list[int], cache: KVCache) -> np.ndarray:
         """The logits after the last of `token_ids`, appended to `cache` (pass only tokens not yet in it)."""
         return self.forward(token_ids, cache)
 
-    def batch_layout(self) -> Buckets:
-        """The artifact's batched-step buckets and KV arena layout, or an error saying how to build them."""
-        b = self.manifest.buckets
-        if not b.batch_rows:
-            options = self.manifest.build_options + ("--batch-rows", "1,4,16")
-            raise GenerationError(f"{self.artifact} has no batched steps; rebuild with --batch-rows: "
-                                  f"{build_command(self.model_dir, self.target, self.artifact, options)}")
-        return b
-
     def new_batch_cache(self) -> "BatchCache":
-        """The state of batched execution: KV pages of every attention layer (all pages reserved now) and the
-        recurrent-state slots of linear-attention layers. Its attention path comes from RUDA_PAGED_ATTENTION now."""
-        b = self.batch_layout()
+        """The state of steps: KV pages of every attention layer (all pages reserved now) and the recurrent-state
+        slots of linear-attention layers. Its attention path comes from RUDA_PAGED_ATTENTION now."""
+        b = self.buckets
         choice = os.environ.get(PAGED_ATTENTION_ENV) or "fused"
-        if choice not in ATTENTION_PATHS:
+        if choice not in ATTENTION_ENTRIES:
             raise GenerationError(f"{PAGED_ATTENTION_ENV}={choice!r} is not valid; use 'fused' (paged attention over "
                                   "the KV arena) or 'legacy' (history gathered first), or leave it unset (fused)")
-        if choice == "legacy" and not b.legacy_attention:
+        if ATTENTION_ENTRIES[choice] not in b.entries:
             options = self.manifest.build_options + ("--legacy-paged-attention",)
             raise GenerationError(f"{PAGED_ATTENTION_ENV}=legacy: {self.artifact} has no legacy attention path; "
                                   f"rebuild with --legacy-paged-attention: "
@@ -289,10 +240,10 @@ class CompiledModel:
                 views[0].copyto(views[1])
 
     def step(self, rows: list[tuple[list[int], int, list[int], int]], cache: "BatchCache") -> np.ndarray:
-        """Run one batch: each row is (new token ids, start position, page table, state slot); logits after each
+        """Run one step: each row is (new token ids, start position, page table, state slot); logits after each
         row's last token. A failed step leaves the cache unusable."""
         cache.check()
-        b = self.manifest.buckets
+        b = self.buckets
         block, width = b.kv_block, b.pages_per_row
         total = sum(len(ids) for ids, *_ in rows)
         row_bucket = next((r for r in b.batch_rows if r >= len(rows)), None)
@@ -323,19 +274,12 @@ class CompiledModel:
         values = {"token_ids": ids, "token_positions": pos_of, "token_rows": row_of, "kv_slots": slots,
                   "block_table": table, "last_tokens": last, "token_count": total, "seq_start": seq_start,
                   "seq_len": seq_len, "seq_pos": seq_pos, "seq_slot": seq_slot}
-        function = f"{ATTENTION_PATHS[cache.attention]}_t{tokens}_r{row_bucket}"
+        entry = ATTENTION_ENTRIES[cache.attention]
         try:
-            out = self._call(function, "step", values, cache.tensors)
+            out = self._call(b.function_name(entry, {TOKENS: tokens, ROWS: row_bucket}), entry, values, cache.tensors)
         except Exception as e:
             cache.valid = False
-            raise GenerationError(f"the batched step failed ({e}); its KV pages and states may be half-written, so "
-                                  "this batch cache can no longer be used: create a new one with new_batch_cache()") from e
+            raise GenerationError(f"the step failed ({last_line(e)}); its KV pages and states may be half-written, "
+                                  "so this cache can no longer be used: create a new one (new_cache() for one "
+                                  "sequence, new_batch_cache() for a batch)") from e
         return out.numpy()[:len(rows)]
-
-    def _run(self, entry: str, function: str, ids: list[int], padded: int, cache: KVCache) -> np.ndarray:
-        buf = np.zeros(padded, dtype=np.int32)
-        buf[:len(ids)] = ids
-        values = {"token_ids": buf, "start_position": cache.length, "token_count": len(ids)}
-        out = self._call(function, entry, values, cache.tensors)
-        cache.length += len(ids)
-        return out.numpy()[0]

@@ -106,7 +106,7 @@ def _serve_batch(pipeline, prompts: list[str], config) -> None:
     encoded = [pipeline.encode(p) for p in prompts]
     for line, ids in enumerate(encoded, 1):
         model.check_request(len(ids), config.max_new_tokens, where=f"--batch prompt {line}")
-    buckets = model.batch_layout()
+    buckets = model.buckets
     executor = BatchExecutor(model, ContinuousBatchConfig(buckets.batch_rows[-1], buckets.prefill_tokens[-1]),
                              default_eos_token_ids=pipeline.default_eos_token_ids)
     index = {executor.submit(ids, config, IncrementalDetokenizer(pipeline.tokenizer.decode, True)): i

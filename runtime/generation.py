@@ -1,4 +1,4 @@
-"""The token loop: one prefill over the prompt, then one decode step per new token, fed only that token."""
+"""The token loop of one request: the prompt in prefill steps, then one step per new token, fed only that token."""
 
 from __future__ import annotations
 
@@ -54,19 +54,22 @@ class TokenStream:
 
     def __iter__(self) -> Iterator[int]:
         pick = make_picker(self.config)
-        start = time.perf_counter()
-        logits = self.model.forward(self.state.prompt, self.cache)
-        token = pick(logits, self.state.tokens)  # repetition penalties look at the prompt and the reply so far
-        self.prefill_seconds = time.perf_counter() - start
-        while True:
-            self.state.append(token)
-            yield token
-            if self.state.finish_reason is not None:
-                return
+        try:
             start = time.perf_counter()
-            logits = self.model.forward([token], self.cache)
-            token = pick(logits, self.state.tokens)
-            self.decode_seconds += time.perf_counter() - start
+            logits = self.model.forward(self.state.prompt, self.cache)
+            token = pick(logits, self.state.tokens)  # repetition penalties look at the prompt and the reply so far
+            self.prefill_seconds = time.perf_counter() - start
+            while True:
+                self.state.append(token)
+                yield token
+                if self.state.finish_reason is not None:
+                    return
+                start = time.perf_counter()
+                logits = self.model.forward([token], self.cache)
+                token = pick(logits, self.state.tokens)
+                self.decode_seconds += time.perf_counter() - start
+        finally:  # finished, failed, or abandoned by the consumer: the pages go back to the arena
+            self.cache.release()
 
     def result(self) -> GeneratedTokens:
         """What was generated so far."""

@@ -1,6 +1,8 @@
 """CPU schedules: rows across cores, inner loops as SIMD vectors, reductions split into vector lanes.
 
-Schedules change loop structure only; the compute definitions in `compiler.kernels` fix meaning.
+The compute definitions in `compiler.kernels` fix meaning. A schedule changes their loop structure; for some
+ops and shapes a hand-written kernel of the same computation replaces the definition instead (`_written`:
+the few-row products, the AMX GEMM, paged attention), tested against the same numpy references.
 """
 
 from __future__ import annotations
@@ -9,15 +11,12 @@ import tvm.sym
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
+from . import stages
 from .amx import amx_gemm
-from .cpu_attention import paged_attention, prefill_attention
+from .cpu_attention import paged_attention
 from .loops import split_loops, static_extent
 from .vector_math import vector_math
 from .written import linear_func
-
-
-def _is_reduction(sch: s_tir.Schedule, block) -> bool:
-    return any(iv.iter_type == tirx.IterVar.CommReduce for iv in sch.get(block).iter_vars)
 
 
 def _spatial(sch: s_tir.Schedule, block, lanes: int) -> None:
@@ -44,10 +43,10 @@ def _reduction(sch: s_tir.Schedule, block) -> None:
 def _generic(sch: s_tir.Schedule, lanes: int, done: tuple[str, ...] = ()) -> None:
     """Every block not named in `done` (or made from one by decompose_reduction): reductions parallel over their
     outputs, the rest fused, parallel and vectorised."""
-    for block in sch.get_child_blocks(sch.get_sblock("root")):
+    for block in stages.blocks(sch):
         if sch.get(block).name_hint.removesuffix("_init").removesuffix("_update") in done:
             continue
-        if _is_reduction(sch, block):
+        if stages.is_reduction(sch, block):
             _reduction(sch, block)
         else:
             _spatial(sch, block, lanes)
@@ -56,24 +55,20 @@ def _generic(sch: s_tir.Schedule, lanes: int, done: tuple[str, ...] = ()) -> Non
 def _delta_rule(sch: s_tir.Schedule, lanes: int) -> None:
     """The chunked gated delta rule's in-chunk dot products vectorised over the chunk's positions (the depth
     loop outside them); every other stage as `_generic` does it."""
-    if _has_block(sch, "delta_dots"):
-        block = sch.get_sblock("delta_dots")
+    block = stages.find(sch, stages.DELTA_DOTS)
+    if block is not None:
         which, heads, chunk, row, pos, depth = sch.get_loops(block)
         sch.reorder(which, heads, chunk, row, depth, pos)
         sch.parallel(sch.fuse(which, heads, chunk))
         if static_extent(sch, pos) % lanes == 0:
             sch.vectorize(sch.split(pos, [None, lanes])[1])
         sch.decompose_reduction(block, depth)
-    _generic(sch, lanes, done=("delta_dots",))
-
-
-def _has_block(sch: s_tir.Schedule, name: str) -> bool:
-    return any(sch.get(b).name_hint == name for b in sch.get_child_blocks(sch.get_sblock("root")))
+    _generic(sch, lanes, done=(stages.DELTA_DOTS,))
 
 
 def _linear(sch: s_tir.Schedule, lanes: int) -> None:
     """Matrix products: a GEMM schedule when the rows fill whole SIMD vectors (prefill), else a GEMV one."""
-    block = sch.get_sblock("matmul")
+    block = stages.only_reduction(sch)
     rows = static_extent(sch, sch.get_loops(block)[0])
     if rows % lanes == 0:
         _gemm(sch, block, lanes)
@@ -92,10 +87,13 @@ def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     loop that reads each weight once for all rows, or None when the shape does not fit it.
 
     Tasks of weight rows run across the cores; each step reads `lanes` (one row: 2 x `lanes`) elements of a tile
-    of up to 4 weight rows, widened in registers, and adds their products with the same elements of every x row
-    into accumulators (rows x weight rows x halves, at most half the SIMD registers), and prefetches (into L2)
-    the same elements of the next tile's rows, which follow in memory (the hardware prefetcher alone leaves a core
-    well short of its share of memory bandwidth on 16-bit weights). When the x rows outgrow L1, a task holds
+    of up to 4 weight rows, widened in registers, and adds their products with the same elements of a group of x
+    rows into accumulators (group rows x weight rows x halves, at most half the SIMD registers), and prefetches
+    (into L2) the same elements of the next tile's rows, which follow in memory (the hardware prefetcher alone
+    leaves a core well short of its share of memory bandwidth on 16-bit weights). The group and the tile are
+    the shape with the fewest loads per product (8 rows on AVX2: two groups of 4 rows x 2 weight rows, 6 loads
+    per 8 FMAs, not 1 x 8: 9); the groups take turns over a tile's weights, which stay in L1. When the x rows
+    outgrow L1, a task holds
     GEMV_TASK_ROWS weight rows and passes over them one depth block at a time, so the block's slice of x stays in
     L1 for all of them (the partial sums wait in memory between blocks). One row of float32 weights is left to
     `_gemv`, as fast there. Schedule primitives cannot insert prefetches, so this loop nest is written out; it
@@ -109,7 +107,9 @@ def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     budget = 16 if lanes >= 16 else 8  # accumulators: half the SIMD registers (AVX-512 has 32, AVX2 16)
     if m > min(GEMV_MAX_ROWS, budget) or k % step or (m == 1 and w_buf.dtype not in ("bfloat16", "float16")):
         return None
-    cols = next(c for c in (4, 2, 1) if n % c == 0 and m * c * halves <= budget)
+    group, cols = min(((g, c) for g in range(1, m + 1) for c in (4, 2, 1)
+                       if m % g == 0 and n % c == 0 and g * c * halves <= budget),
+                      key=lambda gc: ((gc[0] + gc[1]) / (gc[0] * gc[1]), -gc[0]))  # fewest loads per FMA
     blocked = m > 1 and m * k * 4 > GEMV_L1_BYTES and n % GEMV_TASK_ROWS == 0  # x rows would leave L1
     tiles = GEMV_TASK_ROWS // cols if blocked else 1  # weight-row tiles per task
     block = next(b for b in range(GEMV_X_BLOCK_BYTES // (4 * m) // step * step, 0, -step) if k % b == 0) \
@@ -121,36 +121,37 @@ def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
         flat = T.decl_buffer((n * k,), w_buf.dtype, data=ws.data)
         for task in T.parallel(n // rows_per_task):
             sums = T.alloc_buffer((tiles, m, cols, halves, lanes), "float32")  # partial sums between depth blocks
-            acc = T.alloc_buffer((m, cols, halves, lanes), "float32")  # on the stack (see cpu_attention): registers
+            acc = T.alloc_buffer((group, cols, halves, lanes), "float32")  # on the stack (see cpu_attention): registers
             wide = T.alloc_buffer((cols, halves, lanes), "float32")
             for t, r, c, h, lane in T.grid(tiles, m, cols, halves, lanes):
                 sums[t, r, c, h, lane] = T.float32(0)
-            for kb, t in T.grid(k // block, tiles):
+            for kb, t, g in T.grid(k // block, tiles, m // group):
                 row = (task * tiles + t) * cols
-                for r in T.unroll(m):
+                for r in T.unroll(group):
                     for c in T.unroll(cols):
                         for h in T.unroll(halves):
                             for lane in T.vectorized(lanes):
-                                acc[r, c, h, lane] = sums[t, r, c, h, lane]
+                                acc[r, c, h, lane] = sums[t, g * group + r, c, h, lane]
                 for s in range(block // step):
                     at = kb * block + s * step
                     for c in T.unroll(cols):
-                        T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                            flat[T.min((row + cols + c) * k + at, n * k - 1)]), 0, 2, 1))  # into L2
+                        if g == 0:
+                            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
+                                flat[T.min((row + cols + c) * k + at, n * k - 1)]), 0, 2, 1))  # into L2
                         for h in T.unroll(halves):
                             for lane in T.vectorized(lanes):
                                 wide[c, h, lane] = T.Cast("float32", ws[row + c, at + h * lanes + lane])
-                    for r in T.unroll(m):
+                    for r in T.unroll(group):
                         for c in T.unroll(cols):
                             for h in T.unroll(halves):
                                 for lane in T.vectorized(lanes):
-                                    acc[r, c, h, lane] = acc[r, c, h, lane] + xs[r, at + h * lanes + lane] * wide[
-                                        c, h, lane]
-                for r in T.unroll(m):
+                                    acc[r, c, h, lane] = acc[r, c, h, lane] + xs[g * group + r, at + h * lanes + lane] \
+                                        * wide[c, h, lane]
+                for r in T.unroll(group):
                     for c in T.unroll(cols):
                         for h in T.unroll(halves):
                             for lane in T.vectorized(lanes):
-                                sums[t, r, c, h, lane] = acc[r, c, h, lane]
+                                sums[t, g * group + r, c, h, lane] = acc[r, c, h, lane]
             for t, r, c in T.grid(tiles, m, cols):
                 ys[r, (task * tiles + t) * cols + c] = first((task * tiles + t) * cols + c)
                 for h, lane in T.grid(halves, lanes):
@@ -252,41 +253,43 @@ def _widened_weights(sch: s_tir.Schedule, block, k_block, lanes: int) -> None:
 
 
 def _norm(sch: s_tir.Schedule, lanes: int) -> None:
-    """RMSNorm (with or without a fused residual add): one row per task, vectorised over features."""
-    block = sch.get_sblock("rms_norm")
+    """RMSNorm (with or without a fused residual add): one row per task, vectorised over features; the residual
+    sum before it across the cores."""
+    block = sch.get_sblock(stages.NORM)
     row, col = sch.get_loops(block)
     if (static_extent(sch, col) or 1) % lanes == 0:
         sch.vectorize(sch.split(col, [None, lanes])[1])
     sch.parallel(row)
-    for producer in ("rms_norm_sumsq", "residual_add"):
-        try:
-            sch.compute_at(sch.get_sblock(producer), row)
-        except s_tir.ScheduleError:
-            continue
+    for producer in sch.get_producers(block):
+        if stages.is_reduction(sch, producer):  # the sum of squares: per row, right before the row is scaled
+            sch.compute_at(producer, row)
+        else:  # add_rms_norm's residual sum: an output of its own, over all rows
+            _spatial(sch, producer, lanes)
 
 
 def _attention(sch: s_tir.Schedule, lanes: int) -> None:
     """One task per query head, every softmax stage computed where it is consumed; query-key dot products as
     vector FMAs over the head dimension (one horizontal sum per score), the weighted sum of values
     vectorised over the head dimension too."""
-    sch.compute_inline(sch.get_sblock("masked"))
-    out = sch.get_sblock("attention")
+    sch.compute_inline(sch.get_sblock(stages.MASKED))
+    out = sch.get_sblock(stages.ATTENTION)
     row, col = sch.get_loops(out)
-    head_dim = static_extent(sch, col) // static_extent(sch, sch.get_loops(sch.get_sblock("row_max"))[0])
+    head_dim = static_extent(sch, col) // static_extent(sch, sch.get_loops(sch.get_sblock(stages.ROW_MAX))[0])
     head, lane = sch.split(col, [None, head_dim])
     sch.reorder(head, row, lane)
     sch.parallel(head)
     vector = head_dim % lanes == 0
     if vector:
-        scores = sch.get_sblock("scores")
+        scores = sch.get_sblock(stages.SCORES)
         partial = sch.rfactor(sch.split(sch.get_loops(scores)[-1], [None, lanes])[1], factor_axis=3)
-    for stage in ("weighted", "row_sum", "exp", "row_max", "scores") + (("scores_rf",) if vector else ()):
+    for stage in (stages.WEIGHTED, stages.ROW_SUM, stages.EXP, stages.ROW_MAX, stages.SCORES) + (
+            (stages.SCORES + "_rf",) if vector else ()):
         sch.compute_at(sch.get_sblock(stage), head, preserve_unit_loops=True)
     if vector:
         _vector_dots(sch, scores, partial)
         sch.vectorize(sch.split(lane, [None, lanes])[1])
     _vector_exp(sch, lanes)
-    weighted = sch.get_sblock("weighted")
+    weighted = sch.get_sblock(stages.WEIGHTED)
     w_col, w_ctx = sch.get_loops(weighted)[-2:]
     sch.reorder(w_ctx, w_col)
     if vector:
@@ -296,7 +299,7 @@ def _attention(sch: s_tir.Schedule, lanes: int) -> None:
 
 def _vector_exp(sch: s_tir.Schedule, lanes: int) -> None:
     """Softmax exponentials vectorised over positions, when their count is known to be whole vectors."""
-    position = sch.get_loops(sch.get_sblock("exp"))[-1]
+    position = sch.get_loops(sch.get_sblock(stages.EXP))[-1]
     if tvm.sym.Analyzer().can_prove_equal(sch.get(position).extent % lanes, 0):
         sch.vectorize(sch.split(position, [None, lanes])[1])
 
@@ -318,8 +321,8 @@ def _vector_dots(sch: s_tir.Schedule, scores, partial) -> None:
     sch.decompose_reduction(partial, step)
 
 
-SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "attention": _attention,
-             "paged_attention": _attention, "padded_attention": _attention, "gated_delta_rule": _delta_rule}
+SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "paged_attention": _attention,
+             "padded_attention": _attention, "batch_gated_delta_rule": _delta_rule}
 
 
 def _written(func: tirx.PrimFunc, kind: str, lanes: int, amx: bool, attrs: dict | None) -> tirx.PrimFunc | None:
@@ -327,8 +330,6 @@ def _written(func: tirx.PrimFunc, kind: str, lanes: int, amx: bool, attrs: dict 
     if kind == "linear":
         gemm = amx_gemm(func) if amx else None
         return gemm if gemm is not None else _rows_gemv(func, lanes)
-    if kind == "attention" and attrs is not None:
-        return prefill_attention(func, attrs, lanes)
     if kind == "paged_attention" and attrs is not None:
         return paged_attention(func, attrs, lanes)
     return None

@@ -1,14 +1,14 @@
-"""Attention on a CPU: blocks of query rows of one sequence as two register-blocked matrix products per head,
-and single rows (decode, or rows of different sequences) one dot product per position.
+"""Paged attention on a CPU: blocks of query rows of one sequence as two register-blocked matrix products per
+head, and single rows (decode, or rows of different sequences) one dot product per position.
 
-The compute definitions (`compiler.kernels.attention`, `paged_attention`) score one query row against one
+The compute definition (`compiler.kernels.paged_attention`) scores one query row against one
 position at a time, a dot product that ends in a horizontal sum. For a block of `lanes` or 2 x `lanes`
 consecutive rows of one sequence, a task (one head, one block) instead computes S[position, row] = k . q with
 the rows in SIMD lanes (q transposed once, each key element broadcast), so every step is a vector FMA; the
 softmax runs over positions with the rows still in lanes, and O[row, :] = sum over positions of p * v with the
 head dimension in lanes. Positions after the block's last visible one are skipped (causal), and unwritten cache
-rows are never read into a sum. Keys and values are found through a base offset per position: a row of the
-contiguous cache, or a slot of a page that the sequence's block table names.
+rows are never read into a sum. Keys and values are found through a base offset per position: a slot of a page
+that the sequence's block table names.
 """
 
 from __future__ import annotations
@@ -153,32 +153,6 @@ def _row_macro(shape: _Shape):
                 out[t, h * dim + c * lanes + lane] = out_acc[c, lane] / total[0]
 
     return one_row
-
-
-def prefill_attention(func: tirx.PrimFunc, attrs: dict, lanes: int) -> tirx.PrimFunc | None:
-    """The `attention` op's kernel (contiguous KV cache) for prefill chunks, or None for shapes it does not
-    cover (rows or head_dim not whole SIMD vectors, or a single row: decode)."""
-    q_buf, k_buf = func.params[0], func.params[1]
-    ctx, kv_width = int(k_buf.shape[0]), int(k_buf.shape[1])
-    shape = _Shape(q_buf, ctx, attrs, lanes)
-    if not shape.blocked:
-        return None
-    rows, heads, dim, group, block = shape.rows, shape.heads, shape.dim, shape.group, shape.block
-    blocks = rows // block
-    rows_block = _block_macro(shape)
-
-    @T.prim_func(check_well_formed=False)
-    def attention(q: T.Buffer((rows, heads * dim), "float32"), kc: T.Buffer((ctx, kv_width), "float32"),
-                  vc: T.Buffer((ctx, kv_width), "float32"), pos: T.int32, n: T.int32,
-                  out: T.Buffer((rows, heads * dim), "float32")):
-        keys = T.decl_buffer((ctx * kv_width,), "float32", data=kc.data)
-        values = T.decl_buffer((ctx * kv_width,), "float32", data=vc.data)
-        for task in T.parallel(heads * blocks):
-            rows_block(q, out, keys, values, task // blocks, task // blocks // group * dim, task % blocks * block,
-                       pos + task % blocks * block, T.min(pos + n, pos + task % blocks * block + block),
-                       lambda j: T.min(j, ctx - 1) * kv_width)
-
-    return attention
 
 
 def paged_attention(func: tirx.PrimFunc, attrs: dict, lanes: int) -> tirx.PrimFunc | None:

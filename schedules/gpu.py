@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 
+from . import stages
 from .loops import split_loops, static_extent
 
 THREADS = 256
@@ -88,14 +89,14 @@ def _split_reduction(sch: s_tir.Schedule, block, vector: int = 1) -> bool:
 
 
 def _generic(sch: s_tir.Schedule) -> None:
-    for block in sch.get_child_blocks(sch.get_sblock("root")):
+    for block in stages.blocks(sch):
         if not _split_reduction(sch, block):
             _thread_per_output(sch, block)
 
 
 def _linear(sch: s_tir.Schedule) -> None:
     """Decode GEMV: each dot product split over a warp of vector loads; prefill: a shared-memory tiled GEMM."""
-    block = sch.get_sblock("matmul")
+    block = stages.only_reduction(sch)
     i, j, k = sch.get_loops(block)
     rows, cols, depth = static_extent(sch, i), static_extent(sch, j), static_extent(sch, k)
     vector = LOAD_BYTES // (2 if sch.get(block).reads[1].source.dtype in ("bfloat16", "float16") else 4)

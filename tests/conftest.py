@@ -14,7 +14,7 @@ from compiler.build import build  # noqa: E402
 from models.tiny import write_tiny_checkpoint  # noqa: E402
 
 # Small buckets keep the suite fast; the 24-token prompts of the tests span two prefill chunks.
-TEST_BUCKETS = {"prefill_tokens": (8, 16), "context": (64, 128)}
+TEST_BUCKETS = {"prefill_tokens": (8, 16), "max_context": 128}
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +28,7 @@ def tiny_factory(tmp_path_factory):
             root = tmp_path_factory.mktemp("tiny")
             model_dir = write_tiny_checkpoint(root / "model", **options)
             result = build(model_dir, out=root / "artifact", prefill_buckets=TEST_BUCKETS["prefill_tokens"],
-                           context_buckets=TEST_BUCKETS["context"], quiet=True)
+                           max_context=TEST_BUCKETS["max_context"], quiet=True)
             made[key] = (model_dir, result.path)
         return made[key]
 

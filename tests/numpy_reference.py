@@ -43,12 +43,6 @@ def rope(x, pos, head_dim, inv_freq):
     return heads.reshape(t, f)
 
 
-def kv_append(cache, new, pos, n):
-    out = cache.copy()
-    out[pos:pos + n] = new[:n]
-    return out
-
-
 def attention(q, k_cache, v_cache, pos, n, num_heads, num_kv_heads, head_dim, scale):
     t = q.shape[0]
     ctx = pos + n
@@ -71,10 +65,6 @@ def silu_mul(g, u):
 
 def add(a, b):
     return a + b
-
-
-def take_last(x, n):
-    return x[n - 1:n]
 
 
 def rope_at(x, positions, head_dim, inv_freq):

@@ -88,7 +88,7 @@ def test_whole_model_with_amx_prefill_tracks_transformers(tmp_path, monkeypatch)
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     model_dir = write_tiny_checkpoint(tmp_path / "model", arch="qwen2", dtype="bfloat16", seed=4)
-    artifact = build(model_dir, out=tmp_path / "amx", prefill_buckets=(32,), context_buckets=(64,),
+    artifact = build(model_dir, out=tmp_path / "amx", prefill_buckets=(32,), max_context=64,
                      matmul_precision="bfloat16", quiet=True).path
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["target"]["matmul_precision"] == "bfloat16" and "amx-bf16" in manifest["target"]["features"]

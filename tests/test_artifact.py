@@ -17,7 +17,7 @@ from ir.contract import MANIFEST
 
 def _build(model_dir, out, **kw):
     return build(model_dir, out=out, prefill_buckets=TEST_BUCKETS["prefill_tokens"],
-                 context_buckets=TEST_BUCKETS["context"], quiet=True, **kw)
+                 max_context=TEST_BUCKETS["max_context"], quiet=True, **kw)
 
 
 @pytest.fixture
@@ -39,15 +39,15 @@ def test_manifest_describes_the_build(tiny_factory):
     _, artifact = tiny_factory(arch="qwen2")
     m = json.loads((artifact / MANIFEST).read_text())
     assert m["model_type"] == "qwen2" and m["target"]["kind"] == "llvm"
-    assert m["buckets"] == {"prefill_tokens": [8, 16], "context": [64, 128], "batch_rows": [], "kv_pages": 0,
-                            "kv_block": 16, "legacy_attention": False}
+    assert m["buckets"] == {"prefill_tokens": [8, 16], "batch_rows": [1], "max_context": 128, "kv_pages": 8,
+                            "kv_block": 16, "entries": ["step"]}  # one row: a request is a batch of one
     assert m["kind"] == "ruda-artifact" and set(m["files"]) == {"model.so"} and len(m["files"]["model.so"]) == 64
     assert len(m["ir_hash"]) == 64 and len(m["config_hash"]) == 64 and m["tvm_version"]
-    assert "decode_c64" in m["functions"] and "prefill_t16_c128" in m["functions"]
-    assert any(k.startswith("attention_") for k in m["kernels"])
-    decode = {spec["name"]: (spec["role"], spec["layer"]) for spec in m["inputs"]["decode"]}
-    assert decode["ids"] == ("token_ids", None) and decode["k_cache.1"] == ("k_cache", 1)
-    assert set(m["inputs"]) == {"prefill", "decode"}  # no batched steps built
+    assert m["functions"] == ["step_t1_r1", "step_t8_r1", "step_t16_r1"]  # a decode step, and the prefill chunks
+    assert any(k.startswith("paged_attention_") for k in m["kernels"])
+    step = {spec["name"]: (spec["role"], spec["layer"], spec["shape"]) for spec in m["inputs"]["step"]}
+    assert step["ids"] == ("token_ids", None, ["tokens"]) and step["k_pages.1"] == ("k_pages", 1, [8, 16, 32])
+    assert set(m["inputs"]) == {"step"}  # no legacy attention path built
     assert (artifact / "ir.txt").read_text().startswith("program qwen2")
 
 
@@ -98,7 +98,7 @@ def test_missing_artifact_names_the_build_command(tmp_path):
 def test_default_artifact_place_is_found(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     model_dir = write_tiny_checkpoint(tmp_path / "m")
-    result = build(model_dir, prefill_buckets=(8,), context_buckets=(32,), quiet=True)
+    result = build(model_dir, prefill_buckets=(8,), max_context=32, quiet=True)
     assert result.path == default_artifact_dir(model_dir, "llvm")
     assert CompiledModel(model_dir).artifact == result.path
 
@@ -160,32 +160,68 @@ def test_refuses_incomplete_artifact(built):
         CompiledModel(model_dir, artifact)
 
 
-def test_request_longer_than_largest_context_bucket(tiny_factory):
+def test_request_longer_than_the_context(tiny_factory):
     model = CompiledModel(*tiny_factory(arch="qwen2"))
-    with pytest.raises(GenerationError, match="exceed the largest context bucket 128.*--context-buckets"):
+    with pytest.raises(GenerationError, match="exceed the artifact's --max-context 128.*rebuild with a larger"):
         model.new_cache(129)
     cache = model.new_cache(10)
-    assert cache.capacity == 64
+    assert cache.capacity == 10 and cache.pages == []  # pages are taken as the sequence grows
     with pytest.raises(GenerationError, match="outside the vocabulary"):
         model.forward([model.config.vocab_size], cache)
     with pytest.raises(GenerationError, match="empty"):
         model.forward([], cache)
+    with pytest.raises(GenerationError, match="exceeds its cache's capacity 10"):
+        model.forward(list(range(11)), cache)
+
+
+def test_single_sequences_take_pages_as_they_grow_and_give_them_back(tiny_factory):
+    model = CompiledModel(*tiny_factory(arch="qwen2"))  # arena: 8 pages of 16 tokens
+    calls = []
+    model._functions = {name: (lambda f, name: lambda *args: calls.append(name) or f(*args))(f, name)
+                        for name, f in model._functions.items()}
+    first = model.new_cache()
+    model.forward(list(range(20)), first)
+    assert len(first.pages) == 2 and first.length == 20
+    model.forward([3], first)
+    assert len(first.pages) == 2
+    assert calls == ["step_t16_r1", "step_t8_r1", "step_t1_r1"]  # 20 prompt tokens as 16 + 4 (padded to 8), then 1
+    second = model.new_cache()
+    model.forward(list(range(96)), second)
+    assert len(second.pages) == 6 and not set(first.pages) & set(second.pages)
+    with pytest.raises(GenerationError, match="the KV arena has 0 free pages; this sequence needs 1 more.*release"):
+        model.forward(list(range(12)), first)
+    first.release()
+    assert first.released and first.pages == []
+    with pytest.raises(GenerationError, match="released"):
+        model.forward([1], first)
+    del second  # dropping the last reference gives the pages back too
+    third = model.new_cache()
+    model.forward(list(range(128)), third)
+    assert sorted(third.pages) == list(range(8))
 
 
 @pytest.mark.parametrize("prefill,context,message", [
-    ((0, 8), (64,), "positive"),
-    ((64,), (16, 128), "smaller than the smallest prefill bucket"),
-    ((8,), (4096,), "exceeds the model's max_position_embeddings"),
+    ((0, 8), 64, "positive"),
+    ((8,), 0, "--max-context must be positive"),
+    ((8,), 4096, "exceeds the model's max_position_embeddings"),
 ])
 def test_bad_buckets(prefill, context, message):
     with pytest.raises(BuildError, match=message):
         resolve_buckets(prefill, context, max_positions=2048)
 
 
+def test_bad_arena_options():
+    with pytest.raises(BuildError, match="--batch-rows 32 exceeds the largest prefill bucket 16"):
+        resolve_buckets((8, 16), 64, 2048, batch_rows=(32,))
+    with pytest.raises(BuildError, match="--kv-pages 3 cannot hold one sequence of 64 tokens"):
+        resolve_buckets((8, 16), 64, 2048, kv_pages=3)
+
+
 def test_default_buckets_are_capped_by_max_positions():
     buckets = resolve_buckets(None, None, max_positions=1024)
-    assert buckets.context == (512,) and buckets.prefill_tokens == (16, 64, 256)
-    assert resolve_buckets(None, None, max_positions=300).context == (300,)
+    assert buckets.max_context == 1024 and buckets.prefill_tokens == (16, 64, 256) and buckets.batch_rows == (1,)
+    assert buckets.kv_pages == 64  # one sequence at the longest context
+    assert resolve_buckets(None, None, max_positions=100_000).max_context == 4096
 
 
 @pytest.mark.parametrize("remaining,chunk", [(1, 16), (16, 16), (20, 16), (4, 16), (63, 16), (64, 64), (100, 64),

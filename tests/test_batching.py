@@ -19,7 +19,7 @@ from runtime import (
     generate,
 )
 
-BATCH_BUILD = dict(prefill_buckets=(8, 32), context_buckets=(64,), batch_rows=(1, 4, 8), kv_pages=40, kv_block=8,
+BATCH_BUILD = dict(prefill_buckets=(8, 32), max_context=64, batch_rows=(1, 4, 8), kv_pages=40, kv_block=8,
                    legacy_attention=True)
 
 
@@ -113,9 +113,13 @@ def test_configs_that_do_not_fit_the_artifact(model, tiny_factory):
         BatchExecutor(model, ContinuousBatchConfig(16, 32))
     with pytest.raises(GenerationError, match="does not fit the artifact's KV arena"):
         BatchExecutor(model, ContinuousBatchConfig(4, 32), PagedKvCacheConfig(16, 10, 64))
-    plain = CompiledModel(*tiny_factory(arch="qwen2"))
-    with pytest.raises(GenerationError, match="no batched steps; rebuild with --batch-rows"):
-        BatchExecutor(plain, ContinuousBatchConfig(4, 16))
+    single = CompiledModel(*tiny_factory(arch="qwen2"))  # built with the default --batch-rows 1
+    with pytest.raises(GenerationError, match=r"exceeds the artifact's batch steps \(rows up to 1"):
+        BatchExecutor(single, ContinuousBatchConfig(4, 16))
+    (done,) = _run_all(BatchExecutor(single, ContinuousBatchConfig(1, 16)), [[5, 6, 7]],
+                       [GreedyGenerationConfig(4, eos_token_ids=[])])
+    assert done.generated_token_ids == generate(single, [5, 6, 7], GreedyGenerationConfig(4, eos_token_ids=[])) \
+        .generated_token_ids
 
 
 def test_generate_cli_serves_a_file_of_prompts(model, tmp_path):

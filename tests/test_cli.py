@@ -27,7 +27,7 @@ def workdir(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("cli")
     model_dir = write_tiny_checkpoint(cwd / "models" / "tiny", arch="qwen2")
     result = run("compiler", "build", "models/tiny", "--target", "llvm", "--prefill-buckets", "8,16",
-                 "--context-buckets", "64", cwd=cwd)
+                 "--max-context", "64", cwd=cwd)
     assert result.returncode == 0, result.stderr
     built = json.loads(result.stdout.strip().splitlines()[-1])
     assert not built["reused"] and "scheduling kernels" in result.stderr
@@ -54,7 +54,7 @@ def test_build_then_generate(workdir):
 def test_rebuild_reuses(workdir):
     cwd, _, _ = workdir
     result = run("compiler", "build", "models/tiny", "--target", "llvm", "--prefill-buckets", "8,16",
-                 "--context-buckets", "64", cwd=cwd)
+                 "--max-context", "64", cwd=cwd)
     assert result.returncode == 0 and json.loads(result.stdout)["reused"]
 
 
@@ -86,7 +86,7 @@ def test_generate_without_artifact_says_how_to_build(workdir, tmp_path):
 def test_generate_prompt_too_long(workdir):
     cwd, _, _ = workdir
     result = run("runtime.generate", "models/tiny", "word " * 80, "4", cwd=cwd)
-    assert result.returncode == 7 and "exceed the largest context bucket 64" in result.stderr
+    assert result.returncode == 7 and "exceed the artifact's --max-context 64" in result.stderr
 
 
 def test_build_rejects_unsupported_model_type(tmp_path):

@@ -51,7 +51,7 @@ def checkpoints(tmp_path_factory):
 
 def _build(model_dir, out, **kw):
     return build(model_dir, target="cuda", out=out, prefill_buckets=TEST_BUCKETS["prefill_tokens"],
-                 context_buckets=TEST_BUCKETS["context"], quiet=True, **kw)
+                 max_context=TEST_BUCKETS["max_context"], quiet=True, **kw)
 
 
 def _embedded_device_code(library) -> tuple[str, str]:
@@ -161,37 +161,32 @@ def _t(shape, dtype="float32"):
 
 
 ATTN = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "scale": 0.25}
+DELTA = {"num_k_heads": 2, "num_v_heads": 4, "k_dim": 16, "v_dim": 8, "chunk": 4}
 OP_SAMPLES = {
     "embedding": ([_t((50, 32), "bfloat16"), _t((4,), "int32")], {}),
     "rms_norm": ([_t((4, 64)), _t((64,), "bfloat16")], {"eps": 1e-6}),
     "add_rms_norm": ([_t((4, 64)), _t((4, 64)), _t((64,))], {"eps": 1e-6}),
     "linear": ([_t((1, 128)), _t((96, 128), "bfloat16"), _t((96,), "bfloat16")], {}),
     "rope": ([_t((4, 64)), _t((4,), "int32")], {"head_dim": 16, "inv_freq": [1.0, 0.1, 0.01, 0.001]}),
-    "kv_append": ([_t((64, 32)), _t((4, 32)), _t((), "int32"), _t((), "int32")], {}),
-    "attention": ([_t((4, 64)), _t((64, 32)), _t((64, 32)), _t((), "int32"), _t((), "int32")], ATTN),
     "silu_mul": ([_t((4, 64)), _t((4, 64))], {}),
     "add": ([_t((4, 64)), _t((4, 64))], {}),
-    "take_last": ([_t((4, 64)), _t((), "int32")], {}),
     "paged_kv_append": ([_t((8, 4, 32)), _t((4, 32)), _t((4,), "int32")], {}),
     "paged_attention": ([_t((4, 64)), _t((8, 4, 32)), _t((8, 4, 32)), _t((2, 3), "int32"), _t((4,), "int32"),
                          _t((4,), "int32")], ATTN),
     "take_rows": ([_t((4, 64)), _t((2,), "int32")], {}),
     "slice_cols": ([_t((4, 64))], {"period": 32, "offset": 16, "width": 16}),
     "sigmoid_mul": ([_t((4, 64)), _t((4, 64))], {}),
-    "causal_conv1d": ([_t((4, 96)), _t((3, 96)), _t((96, 1, 4), "bfloat16"), _t((), "int32")], {}),
     "delta_inputs": ([_t((4, 96)), _t((4, 4)), _t((4, 4)), _t((4,)), _t((4,), "bfloat16"), _t((), "int32")],
                      {"num_k_heads": 2, "k_dim": 16}),
-    "gated_delta_rule": ([_t((8, 64)), _t((8, 96)), _t((8, 4, 2)), _t((4, 16, 8))],
-                         {"num_k_heads": 2, "num_v_heads": 4, "k_dim": 16, "v_dim": 8, "chunk": 4}),
     "batch_causal_conv1d": ([_t((8, 96)), _t((4, 3, 96)), _t((96, 1, 4), "bfloat16")] + [_t((3,), "int32")] * 4, {}),
     "batch_gated_delta_rule": ([_t((8, 64)), _t((8, 96)), _t((8, 4, 2)), _t((4, 4, 16, 8))] + [_t((3,), "int32")] * 4,
-                               {"num_k_heads": 2, "num_v_heads": 4, "k_dim": 16, "v_dim": 8}),
+                               DELTA),
     "gather_pages": ([_t((8, 4, 32)), _t((2, 3), "int32")], {}),
     "padded_attention": ([_t((4, 64)), _t((2, 12, 32)), _t((2, 12, 32)), _t((4,), "int32"), _t((4,), "int32")], ATTN),
 }
-RECURRENT = {**OP_SAMPLES["gated_delta_rule"][1], "chunk": 0}
-GPU_CASES = [(kind, *OP_SAMPLES[kind]) for kind in sorted(OP_SAMPLES)] + [
-    ("gated_delta_rule", [_t((1, 64)), _t((1, 96)), _t((1, 4, 2)), _t((4, 16, 8))], RECURRENT)]
+GPU_CASES = [(kind, *OP_SAMPLES[kind]) for kind in sorted(OP_SAMPLES)] + [  # and the chunked form: one sequence
+    ("batch_gated_delta_rule", [_t((8, 64)), _t((8, 96)), _t((8, 4, 2)), _t((4, 4, 16, 8))] + [_t((1,), "int32")] * 4,
+     DELTA)]
 
 
 def direct_ptx(func) -> str:
@@ -228,7 +223,7 @@ def test_batched_steps_build_for_cuda(checkpoints, tmp_path, arch_name):
     out = _build(checkpoints[arch_name], tmp_path / "artifact", batch_rows=(1, 4), kv_pages=32, kv_block=8,
                  legacy_attention=True).path
     manifest = json.loads((out / "manifest.json").read_text())
-    assert {"step_t1_r1", "step_t4_r4", "step_t16_r4", "gather_t16_r4"} <= set(manifest["functions"])
+    assert {"step_t1_r1", "step_t4_r4", "step_t16_r4", "step_gather_t16_r4"} <= set(manifest["functions"])
     kinds = {"paged_attention", "gather_pages", "padded_attention"} | (
         {"batch_causal_conv1d", "batch_gated_delta_rule"} if arch_name == "qwen3_5" else set())
     assert all(any(k.startswith(kind + "_") for k in manifest["kernels"]) for kind in kinds)

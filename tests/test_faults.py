@@ -26,11 +26,11 @@ from pathlib import Path
 import pytest
 
 from compiler.build import build
-from ir.contract import MANIFEST
+from ir.contract import FORMAT, MANIFEST
 from models.tiny import write_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-BUCKETS = ["--prefill-buckets", "8,16", "--context-buckets", "64,256"]
+BUCKETS = ["--prefill-buckets", "8,16", "--max-context", "256"]
 USER_ERRORS = {2, 3, 4, 5, 6, 7, 8}  # docs/errors.md
 
 
@@ -104,9 +104,9 @@ def space():
     root = Path(tempfile.mkdtemp(prefix="ruda-faults-"))
     root.chmod(0o755)
     model = write_tiny_checkpoint(root / "pristine" / "model", arch="qwen2", seed=3)
-    build(model, out=root / "pristine" / "artifact", prefill_buckets=(8, 16), context_buckets=(64, 256), quiet=True)
+    build(model, out=root / "pristine" / "artifact", prefill_buckets=(8, 16), max_context=256, quiet=True)
     write_tiny_checkpoint(root / "foreign" / "model", arch="llama", seed=5)
-    build(root / "foreign" / "model", out=root / "foreign" / "artifact", prefill_buckets=(8,), context_buckets=(64,),
+    build(root / "foreign" / "model", out=root / "foreign" / "artifact", prefill_buckets=(8,), max_context=64,
           quiet=True)
     yield root
     shutil.rmtree(root, ignore_errors=True)
@@ -193,9 +193,9 @@ def test_truncated_module_is_refused_and_rebuilt_not_reused(copy):
 
 
 @pytest.mark.parametrize("manifest", [
-    {"kind": "ruda-artifact", "format": 2},
+    {"kind": "ruda-artifact", "format": FORMAT},
     "WRONG",
-    {"kind": "ruda-artifact", "format": 2, "model_type": 7},
+    {"kind": "ruda-artifact", "format": FORMAT, "model_type": 7},
 ])
 def test_manifest_of_the_wrong_shape(copy, manifest):
     work, model, artifact = copy
@@ -383,8 +383,8 @@ def test_batch_mode_refuses_what_single_mode_refuses(copy):
     single = generate(work, model, artifact, "word " * 300, 30)
     batch = cli("runtime.generate", model, "--batch", work / "prompts.txt", "--max-new-tokens", 30,
                 "--artifact", artifact, cwd=work)
-    assert_user_error(single, 7, "exceed the largest context bucket 256")
-    assert_user_error(batch, 7, "--batch prompt 2", "exceed the largest context bucket 256")
+    assert_user_error(single, 7, "exceed the artifact's --max-context 256")
+    assert_user_error(batch, 7, "--batch prompt 2", "exceed the artifact's --max-context 256")
 
 
 def test_chat_refuses_sampling_options_without_temperature(copy):

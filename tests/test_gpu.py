@@ -28,7 +28,7 @@ def models(request, tiny_factory, tmp_path_factory):
     model_dir, cpu_artifact = tiny_factory(**CASES[case])
     out = tmp_path_factory.mktemp("gpu") / "artifact"
     build(model_dir, target="cuda", out=out, cuda_compiler=compiler, prefill_buckets=TEST_BUCKETS["prefill_tokens"],
-          context_buckets=TEST_BUCKETS["context"], quiet=True)
+          max_context=TEST_BUCKETS["max_context"], quiet=True)
     gpu = CompiledModel(model_dir, out, device="cuda")
     hf = reference_model(model_dir) if case.startswith("qwen3_5") else \
         transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -55,15 +55,19 @@ def test_gpu_greedy_tokens_equal_cpu(models):
     assert generate(gpu, [5, 6, 7], config).generated_token_ids == generate(cpu, [5, 6, 7], config).generated_token_ids
 
 
-KERNEL_CASES = {  # real Qwen2.5-0.5B widths (ints: scalar inputs): decode GEMV, prefill GEMM with bias, norms, attention
+PAGE_TABLE = np.arange(256, dtype=np.int32)[::-1].reshape(1, 256).copy()  # one sequence's pages, scattered
+KERNEL_CASES = {  # real Qwen2.5-0.5B widths (arrays: int inputs as given): decode GEMV, prefill GEMM with bias, norms,
+    # paged attention of a decode token at position 3001
     "gemv": ("linear", [((1, 896), "float32"), ((4864, 896), "bfloat16")], {}),
     "gemm-bias": ("linear", [((64, 896), "float32"), ((1152, 896), "bfloat16"), ((1152,), "bfloat16")], {}),
     "gemm-f32": ("linear", [((32, 4864), "float32"), ((896, 4864), "float32")], {}),
     "norm-decode": ("rms_norm", [((1, 896), "float32"), ((896,), "bfloat16")], {"eps": 1e-6}),
     "norm-prefill": ("add_rms_norm", [((16, 896), "float32"), ((16, 896), "float32"), ((896,), "float32")],
                      {"eps": 1e-6}),
-    "attention-decode": ("attention", [((1, 896), "float32"), ((4096, 128), "float32"), ((4096, 128), "float32"),
-                                       3001, 1], {"num_heads": 14, "num_kv_heads": 2, "head_dim": 64, "scale": 0.125}),
+    "attention-decode": ("paged_attention", [((1, 896), "float32"), ((256, 16, 128), "float32"),
+                                             ((256, 16, 128), "float32"), PAGE_TABLE, np.zeros(1, np.int32),
+                                             np.array([3001], np.int32)],
+                         {"num_heads": 14, "num_kv_heads": 2, "head_dim": 64, "scale": 0.125}),
 }
 
 
@@ -80,10 +84,10 @@ def test_gpu_kernels_match_the_cpu_kernels(case, compiler):
     from schedules import cpu, gpu
 
     kind, specs, attrs = KERNEL_CASES[case]
-    types = [TensorType((), "int32") if isinstance(spec, int) else TensorType(*spec) for spec in specs]
     rng = np.random.default_rng(0)
-    inputs = [spec if isinstance(spec, int) else rng.standard_normal(spec[0]).astype(np.float32).astype(
+    inputs = [spec if isinstance(spec, np.ndarray) else rng.standard_normal(spec[0]).astype(np.float32).astype(
         ml_dtypes.bfloat16 if spec[1] == "bfloat16" else np.float32) for spec in specs]
+    types = [TensorType(x.shape, str(x.dtype)) for x in inputs]
     every = infer_types(kind, types, attrs)
     outs = [o for o, src in zip(every, OPS[kind].sources(len(every))) if src < 0]
     target, host = cuda.cuda_target("sm_90", compiler), cpu_target()
@@ -94,7 +98,7 @@ def test_gpu_kernels_match_the_cpu_kernels(case, compiler):
                                      (cpu.schedule(make_kernel(kind, types, attrs).func, kind, attrs, host),
                                       host.tvm_target(), tvm.cpu(), "default")):
         lib = tvm.compile(func, tgt, tir_pipeline=pipeline)
-        args = [x if isinstance(x, int) else tvm.runtime.tensor(x, dev) for x in inputs] + \
+        args = [tvm.runtime.tensor(x, dev) for x in inputs] + \
             [tvm.runtime.empty(o.shape, o.dtype, dev) for o in outs]
         lib.mod["main"](*args)
         results.append([a.numpy() for a in args[len(inputs):]])

@@ -9,8 +9,9 @@ import pytest
 
 import models
 from ir import (
-    CONTEXT,
+    BLOCK,
     OPS,
+    PAGES,
     PAGES_PER_ROW,
     ROWS,
     SLOTS,
@@ -64,7 +65,7 @@ PARAMS = {
     "norm2.w": Param("norm2.w", _t(HIDDEN)),
     "proj.w": Param("proj.w", _t(HIDDEN, HIDDEN, dtype="bfloat16")),
     "k_proj.w": Param("k_proj.w", _t(KV, HIDDEN, dtype="float16")),
-    "cache_param": Param("cache_param", _t(16, KV)),
+    "cache_param": Param("cache_param", _t(4, 4, KV)),
 }
 
 
@@ -75,9 +76,9 @@ def _wrap(graph: Graph, params=PARAMS) -> Program:
 def _builder() -> tuple[GraphBuilder, str, str, str]:
     g = GraphBuilder("g", PARAMS)
     x = g.input("x", (TOKENS, HIDDEN), F32, "input_embeddings")
-    pos = g.input("pos", (), I32, "start_position")
+    slots = g.input("slots", (TOKENS,), I32, "kv_slots")
     n = g.input("n", (), I32, "token_count")
-    return g, x, pos, n
+    return g, x, slots, n
 
 
 def _small_graph() -> Graph:
@@ -90,11 +91,11 @@ def _small_graph() -> Graph:
 
 
 def _cache_graph() -> Graph:
-    """kv_append onto a runtime cache input, returning the appended cache."""
-    g, x, pos, n = _builder()
-    cache = g.input("cache", (CONTEXT, KV), F32, "k_cache", 0)
+    """paged_kv_append onto a runtime KV pages input, returning the written pages."""
+    g, x, slots, _ = _builder()
+    cache = g.input("cache", (PAGES, BLOCK, KV), F32, "k_pages", 0)
     k = g.op("linear", [x, "k_proj.w"], "k")
-    new_cache = g.op("kv_append", [cache, k, pos, n], "cache2")
+    new_cache = g.op("paged_kv_append", [cache, k, slots], "cache2")
     return g.finish([new_cache])
 
 
@@ -103,8 +104,9 @@ def _cache_graph() -> Graph:
 
 
 def test_builder_infers_types():
-    g, x, pos, n = _builder()
-    cache = g.input("cache", (CONTEXT, KV), F32, "k_cache", 0)
+    g, x, slots, n = _builder()
+    cache = g.input("cache", (PAGES, BLOCK, KV), F32, "k_pages", 0)
+    last_rows = g.input("last", (ROWS,), I32, "last_tokens")
     assert g.type_of(x) == _t(TOKENS, HIDDEN)
     h = g.op("rms_norm", [x, "norm.w"], "h", eps=1e-6)
     k = g.op("linear", [h, "k_proj.w"], "k")
@@ -112,13 +114,13 @@ def test_builder_infers_types():
     s, y = g.op("add_rms_norm", [x, h, "norm2.w"], "fused", eps=1e-6)
     assert (s, y) == ("fused.0", "fused.1")
     assert g.type_of(s) == g.type_of(y) == _t(TOKENS, HIDDEN)
-    c2 = g.op("kv_append", [cache, k, pos, n], "c2")
-    assert g.type_of(c2) == _t(CONTEXT, KV)
-    last = g.op("take_last", [y, n], "last")
-    assert g.type_of(last) == _t(1, HIDDEN)
+    c2 = g.op("paged_kv_append", [cache, k, slots], "c2")
+    assert g.type_of(c2) == _t(PAGES, BLOCK, KV)
+    last = g.op("take_rows", [y, last_rows], "last_rows")
+    assert g.type_of(last) == _t(ROWS, HIDDEN)
     graph = g.finish([last, c2])
-    assert graph.inputs == ["x", "pos", "n", "cache"]
-    assert [op.kind for op in graph.ops] == ["rms_norm", "linear", "add_rms_norm", "kv_append", "take_last"]
+    assert graph.inputs == ["x", "slots", "n", "cache", "last"]
+    assert [op.kind for op in graph.ops] == ["rms_norm", "linear", "add_rms_norm", "paged_kv_append", "take_rows"]
     verify(_wrap(graph))
 
 
@@ -138,22 +140,15 @@ def test_builder_rejects_undefined_and_duplicate_values():
 def test_model_programs_verify(arch):
     p = _program(arch)
     assert verify(p) is p
-    assert set(p.entries) == {"prefill", "decode", "step", "step_gather"}
+    assert set(p.entries) == {"step", "step_gather"}  # one execution path (and its legacy attention variant)
     cfg = models.parse_config(RAW[arch])
     assert set(p.params) == set(models.checkpoint_shapes(cfg))
     for name, shape in models.checkpoint_shapes(cfg).items():
         assert p.params[name].type == TensorType(shape, "float32")
-    prefill, decode = p.entries["prefill"], p.entries["decode"]
-    assert prefill.types["ids"] == _t(TOKENS, dtype=I32)
-    assert decode.types["ids"] == _t(1, dtype=I32)
-    assert prefill.types[prefill.outputs[0]] == _t(1, cfg.vocab_size)
-    assert decode.types[decode.outputs[0]] == _t(1, cfg.vocab_size)
-    # the passes ran: residual adds are fused, and every kv_append survives dead-value elimination
-    kinds = [op.kind for op in prefill.ops]
-    assert "add_rms_norm" in kinds
-    assert kinds.count("kv_append") == 2 * cfg.num_hidden_layers
-    assert kinds.count("attention") == cfg.num_hidden_layers
     step = p.entries["step"]
+    assert step.types["ids"] == _t(TOKENS, dtype=I32)
+    # the passes ran: residual adds are fused, and every paged_kv_append survives dead-value elimination
+    assert "add_rms_norm" in [op.kind for op in step.ops]
     assert step.types["block_table"] == _t(ROWS, PAGES_PER_ROW, dtype=I32)
     assert step.types[step.outputs[0]] == _t(ROWS, cfg.vocab_size)
     step_kinds = [op.kind for op in step.ops]
@@ -208,7 +203,7 @@ def test_verify_rejects_value_defined_twice():
     _rejects(replace(g, inputs=[*g.inputs, "x"]), "shadows")
 
 
-@pytest.mark.parametrize("role", [None, Role("hidden_states"), Role("k_cache"), Role("token_ids", 3)])
+@pytest.mark.parametrize("role", [None, Role("hidden_states"), Role("k_pages"), Role("token_ids", 3)])
 def test_verify_rejects_an_input_without_a_valid_role(role):
     """Every input has a known role (the runtime fills inputs by role); state roles, and only they, name a layer."""
     g = _small_graph()
@@ -267,9 +262,9 @@ def test_verify_rejects_add_with_attrs():
 
 def test_verify_rejects_read_after_in_place_overwrite():
     g = _cache_graph()
-    # reading the old cache after kv_append overwrote it
-    stale = Op("kv_append", ("cache", "k", "pos", "n"), ("cache3",))
-    _rejects(replace(g, ops=[*g.ops, stale], types={**g.types, "cache3": _t(CONTEXT, KV)}),
+    # reading the old pages after paged_kv_append overwrote them
+    stale = Op("paged_kv_append", ("cache", "k", "slots"), ("cache3",))
+    _rejects(replace(g, ops=[*g.ops, stale], types={**g.types, "cache3": _t(PAGES, BLOCK, KV)}),
              "after an in-place op overwrote it")
     # returning the old cache
     _rejects(replace(g, outputs=["cache"]), "overwritten")
@@ -278,9 +273,9 @@ def test_verify_rejects_read_after_in_place_overwrite():
 def test_verify_rejects_in_place_write_to_param():
     g = _cache_graph()
     ops = list(g.ops)
-    assert ops[1].kind == "kv_append"
+    assert ops[1].kind == "paged_kv_append"
     ops[1] = replace(ops[1], inputs=("cache_param", *ops[1].inputs[1:]))
-    types = {**g.types, "cache2": _t(16, KV)}
+    types = {**g.types, "cache2": _t(4, 4, KV)}
     _rejects(replace(g, ops=ops, types=types), "overwrite param 'cache_param'")
 
 
@@ -291,10 +286,10 @@ def test_verify_rejects_undefined_output():
 
 def test_verify_checks_every_entry():
     p = _program("llama")
-    decode = p.entries["decode"]
-    bad = replace(decode, outputs=["missing"])
-    with pytest.raises(IRError, match="llama.decode"):
-        verify(replace(p, entries={**p.entries, "decode": bad}))
+    step = p.entries["step_gather"]
+    bad = replace(step, outputs=["missing"])
+    with pytest.raises(IRError, match="llama.step_gather"):
+        verify(replace(p, entries={**p.entries, "step_gather": bad}))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -305,34 +300,28 @@ ROPE = {"head_dim": 4, "inv_freq": [1.0, 0.01]}
 X = _t(TOKENS, HIDDEN)
 SLICE = {"period": 4, "offset": 2, "width": 2}
 DELTA_IN = {"num_k_heads": 2, "k_dim": 2}  # q, k: 2 heads of 2; v: 2 heads of 3 (14 = 4 + 4 + 6 columns)
-DELTA = {**DELTA_IN, "num_v_heads": 2, "v_dim": 3, "chunk": 0}
+DELTA = {**DELTA_IN, "num_v_heads": 2, "v_dim": 3, "chunk": 16}
 
 GOOD = {
     "embedding": ([_t(64, HIDDEN, dtype="bfloat16"), _t(TOKENS, dtype=I32)], {}, [X]),
     "rms_norm": ([X, _t(HIDDEN, dtype="float16")], {"eps": 1e-6}, [X]),
     "add_rms_norm": ([X, X, _t(HIDDEN)], {"eps": 1e-6}, [X, X]),
     "linear": ([X, _t(KV, HIDDEN), _t(KV)], {}, [_t(TOKENS, KV)]),
-    "rope": ([X, SCALAR], ROPE, [X]),
-    "kv_append": ([_t(CONTEXT, KV), _t(TOKENS, KV), SCALAR, SCALAR], {}, [_t(CONTEXT, KV)]),
-    "attention": ([X, _t(CONTEXT, KV), _t(CONTEXT, KV), SCALAR, SCALAR], ATTN, [X]),
+    "rope": ([X, _t(TOKENS, dtype=I32)], ROPE, [X]),
     "silu_mul": ([X, X], {}, [X]),
     "add": ([X, X], {}, [X]),
-    "take_last": ([X, SCALAR], {}, [_t(1, HIDDEN)]),
     "paged_kv_append": ([_t(9, 4, KV), _t(TOKENS, KV), _t(TOKENS, dtype=I32)], {}, [_t(9, 4, KV)]),
     "paged_attention": ([X, _t(9, 4, KV), _t(9, 4, KV), _t(3, 5, dtype=I32), _t(TOKENS, dtype=I32),
                          _t(TOKENS, dtype=I32)], ATTN, [X]),
     "take_rows": ([X, _t(3, dtype=I32)], {}, [_t(3, HIDDEN)]),
     "slice_cols": ([X], SLICE, [_t(TOKENS, HIDDEN // 2)]),
     "sigmoid_mul": ([X, X], {}, [X]),
-    "causal_conv1d": ([X, _t(3, HIDDEN), _t(HIDDEN, 1, 4, dtype="bfloat16"), SCALAR], {}, [X, _t(3, HIDDEN)]),
     "delta_inputs": ([_t(TOKENS, 14), _t(TOKENS, 2), _t(TOKENS, 2), _t(2), _t(2, dtype="bfloat16"), SCALAR], DELTA_IN,
                      [_t(TOKENS, 8), _t(TOKENS, 2, 2)]),
-    "gated_delta_rule": ([_t(TOKENS, 8), _t(TOKENS, 14), _t(TOKENS, 2, 2), _t(2, 2, 3)], DELTA,
-                         [_t(TOKENS, 6), _t(2, 2, 3)]),
     "batch_causal_conv1d": ([X, _t(SLOTS, 3, HIDDEN), _t(HIDDEN, 1, 4), *[_t(ROWS, dtype=I32)] * 4], {},
                             [X, _t(SLOTS, 3, HIDDEN)]),
     "batch_gated_delta_rule": ([_t(TOKENS, 8), _t(TOKENS, 14), _t(TOKENS, 2, 2), _t(SLOTS, 2, 2, 3),
-                                *[_t(ROWS, dtype=I32)] * 4], {k: v for k, v in DELTA.items() if k != "chunk"},
+                                *[_t(ROWS, dtype=I32)] * 4], DELTA,
                                [_t(TOKENS, 6), _t(SLOTS, 2, 2, 3)]),
     "gather_pages": ([_t(9, 4, KV), _t(ROWS, 3, dtype=I32)], {}, [_t(ROWS, 12, KV)]),
     "padded_attention": ([X, _t(ROWS, 12, KV), _t(ROWS, 12, KV), _t(TOKENS, dtype=I32), _t(TOKENS, dtype=I32)], ATTN,
@@ -360,30 +349,15 @@ BAD = [
     ("linear weight int", _with("linear", 1, _t(KV, HIDDEN, dtype=I32))),
     ("linear bias size", _with("linear", 2, _t(KV + 1))),
     ("linear input int", _with("linear", 0, _t(TOKENS, HIDDEN, dtype=I32))),
-    ("rope pos not scalar", _with("rope", 1, _t(1, dtype=I32))),
-    ("rope pos float", _with("rope", 1, _t())),
-    ("rope features not multiple of head_dim", ("rope", [_t(TOKENS, 6), SCALAR], ROPE)),
-    ("rope too many freqs", ("rope", [X, SCALAR], {"head_dim": 4, "inv_freq": [1.0, 0.1, 0.01]})),
-    ("rope no freqs", ("rope", [X, SCALAR], {"head_dim": 4, "inv_freq": []})),
-    ("kv_append width", _with("kv_append", 1, _t(TOKENS, KV + 1))),
-    ("kv_append cache float16", _with("kv_append", 0, _t(CONTEXT, KV, dtype="float16"))),
-    ("kv_append cache rank 3", _with("kv_append", 0, _t(CONTEXT, 2, 2))),
-    ("kv_append n float", _with("kv_append", 3, _t())),
-    ("attention heads not divisible by kv_heads", ("attention", GOOD["attention"][0], {**ATTN, "num_kv_heads": 3})),
-    ("attention query width", _with("attention", 0, _t(TOKENS, HIDDEN + 2))),
-    ("attention key width", _with("attention", 1, _t(CONTEXT, KV * 2))),
-    ("attention key/value caches differ", _with("attention", 2, _t(CONTEXT + "2", KV))),
-    ("attention key cache rank 1", _with("attention", 1, _t(CONTEXT))),
-    ("attention key cache rank 3", _with("attention", 1, _t(CONTEXT, KV, 1))),
-    ("attention value cache rank 3", ("attention", [X, _t(CONTEXT, KV, 1), _t(CONTEXT, KV, 1), SCALAR, SCALAR],
-                                      ATTN)),
-    ("attention n not scalar", _with("attention", 4, _t(1, dtype=I32))),
+    ("rope pos scalar", _with("rope", 1, SCALAR)),
+    ("rope pos float", _with("rope", 1, _t(TOKENS))),
+    ("rope features not multiple of head_dim", ("rope", [_t(TOKENS, 6), GOOD["rope"][0][1]], ROPE)),
+    ("rope too many freqs", ("rope", GOOD["rope"][0], {"head_dim": 4, "inv_freq": [1.0, 0.1, 0.01]})),
+    ("rope no freqs", ("rope", GOOD["rope"][0], {"head_dim": 4, "inv_freq": []})),
     ("silu_mul shapes differ", _with("silu_mul", 1, _t(1, HIDDEN))),
     ("silu_mul rank 3", ("silu_mul", [_t(1, TOKENS, HIDDEN)] * 2, {})),
     ("add dtypes differ", _with("add", 1, _t(TOKENS, HIDDEN, dtype="bfloat16"))),
     ("add bfloat16 activations", ("add", [_t(TOKENS, HIDDEN, dtype="bfloat16")] * 2, {})),
-    ("take_last n not scalar", _with("take_last", 1, _t(TOKENS, dtype=I32))),
-    ("take_last input rank 1", _with("take_last", 0, _t(HIDDEN))),
     ("paged_kv_append pages rank 2", _with("paged_kv_append", 0, _t(36, KV))),
     ("paged_kv_append slots float", _with("paged_kv_append", 2, _t(TOKENS))),
     ("paged_kv_append width mismatch", _with("paged_kv_append", 1, _t(TOKENS, KV + 1))),
@@ -400,22 +374,22 @@ BAD = [
     ("slice_cols beyond its period", ("slice_cols", [X], {**SLICE, "offset": 3})),
     ("slice_cols period not dividing", ("slice_cols", [_t(TOKENS, 6)], SLICE)),
     ("sigmoid_mul shapes differ", _with("sigmoid_mul", 1, _t(1, HIDDEN))),
-    ("causal_conv1d state width", _with("causal_conv1d", 1, _t(3, HIDDEN + 1))),
-    ("causal_conv1d kernel size", _with("causal_conv1d", 2, _t(HIDDEN, 1, 3))),
-    ("causal_conv1d n not scalar", _with("causal_conv1d", 3, _t(1, dtype=I32))),
     ("delta_inputs no values", _with("delta_inputs", 0, _t(TOKENS, 8))),
     ("delta_inputs a heads", _with("delta_inputs", 1, _t(TOKENS, 3))),
     ("delta_inputs A_log size", _with("delta_inputs", 3, _t(3))),
     ("delta_inputs heads zero", ("delta_inputs", GOOD["delta_inputs"][0], {**DELTA_IN, "k_dim": 0})),
-    ("gated_delta_rule qk width", _with("gated_delta_rule", 0, _t(TOKENS, 6))),
-    ("gated_delta_rule v heads", ("gated_delta_rule", GOOD["gated_delta_rule"][0], {**DELTA, "num_v_heads": 3})),
-    ("gated_delta_rule gates", _with("gated_delta_rule", 2, _t(TOKENS, 2))),
-    ("gated_delta_rule state", _with("gated_delta_rule", 3, _t(2, 3, 2))),
-    ("gated_delta_rule chunk", ("gated_delta_rule", GOOD["gated_delta_rule"][0], {**DELTA, "chunk": -1})),
     ("batch_causal_conv1d pool rank", _with("batch_causal_conv1d", 1, _t(3, HIDDEN))),
     ("batch_causal_conv1d seq_len float", _with("batch_causal_conv1d", 4, _t(ROWS))),
     ("batch_causal_conv1d seq lengths differ", _with("batch_causal_conv1d", 6, _t(2, dtype=I32))),
     ("batch_gated_delta_rule pool", _with("batch_gated_delta_rule", 3, _t(SLOTS, 2, 3, 2))),
+    ("batch_gated_delta_rule qk width", _with("batch_gated_delta_rule", 0, _t(TOKENS, 6))),
+    ("batch_gated_delta_rule v heads", ("batch_gated_delta_rule", GOOD["batch_gated_delta_rule"][0],
+                                        {**DELTA, "num_v_heads": 3})),
+    ("batch_gated_delta_rule gates", _with("batch_gated_delta_rule", 2, _t(TOKENS, 2))),
+    ("batch_gated_delta_rule chunk", ("batch_gated_delta_rule", GOOD["batch_gated_delta_rule"][0],
+                                      {**DELTA, "chunk": -1})),
+    ("batch_causal_conv1d pool width", _with("batch_causal_conv1d", 1, _t(SLOTS, 3, HIDDEN + 1))),
+    ("batch_causal_conv1d kernel size", _with("batch_causal_conv1d", 2, _t(HIDDEN, 1, 3))),
     ("batch_gated_delta_rule seq_slot rank", _with("batch_gated_delta_rule", 7, _t(ROWS, 1, dtype=I32))),
     ("gather_pages table float", _with("gather_pages", 1, _t(ROWS, 3))),
     ("gather_pages pages rank", _with("gather_pages", 0, _t(9, KV))),
@@ -451,9 +425,9 @@ def test_infer_types_rejects_bad_signatures():
     with pytest.raises(IRError, match="inputs"):
         infer_types("linear", [X, _t(KV, HIDDEN), _t(KV), _t(KV)], {})
     with pytest.raises(IRError, match="lacks attributes"):
-        infer_types("attention", GOOD["attention"][0], {k: v for k, v in ATTN.items() if k != "scale"})
+        infer_types("paged_attention", GOOD["paged_attention"][0], {k: v for k, v in ATTN.items() if k != "scale"})
     with pytest.raises(IRError, match="unknown attributes"):
-        infer_types("rope", [X, SCALAR], {**ROPE, "theta": 10000.0})
+        infer_types("rope", GOOD["rope"][0], {**ROPE, "theta": 10000.0})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -470,25 +444,24 @@ def test_printer_shows_params_entries_ops_and_abbreviates_long_attrs():
         assert f"entry {entry.name}(" in text
         assert all(f"%{v}: {entry.types[v]}" in text for v in entry.inputs)
     assert {op.kind for g in p.entries.values() for op in g.ops} <= {"embedding", "rms_norm", "add_rms_norm",
-                                                                     "linear", "rope", "kv_append", "attention",
-                                                                     "silu_mul", "add", "take_last",
+                                                                     "linear", "rope", "silu_mul", "add",
                                                                      "paged_kv_append", "paged_attention",
                                                                      "take_rows", "gather_pages", "padded_attention"}
     for kind in {op.kind for g in p.entries.values() for op in g.ops}:
         assert f"= {kind}(" in text
-    inv_freq = p.entries["prefill"].ops[[op.kind for op in p.entries["prefill"].ops].index("rope")].attrs["inv_freq"]
+    inv_freq = p.entries["step"].ops[[op.kind for op in p.entries["step"].ops].index("rope")].attrs["inv_freq"]
     assert len(inv_freq) == 8
     assert f"inv_freq=[{inv_freq[0]!r}, ... 8 values]" in text
     assert repr(inv_freq[-1]) not in text
     assert "eps=1e-05" in text and "num_heads=4" in text
     assert "@model.embed_tokens.weight" in text and "%ids" in text  # params and values are marked apart
-    assert text.count("return %logits") == len(p.entries) == 4
+    assert text.count("return %logits") == len(p.entries) == 2
 
 
 def test_printer_keeps_short_lists():
     g = GraphBuilder("g", PARAMS)
     x = g.input("x", (TOKENS, HIDDEN), F32, "input_embeddings")
-    pos = g.input("pos", (), I32, "start_position")
+    pos = g.input("pos", (TOKENS,), I32, "token_positions")
     y = g.op("rope", [x, pos], "y", head_dim=4, inv_freq=[1.0, 0.5])
     text = format_program(_wrap(g.finish([y])))
     assert "inv_freq=[1.0, 0.5]" in text
@@ -532,7 +505,7 @@ def test_stable_hash_is_stable_and_sensitive():
 
 def test_from_json_refuses_unknown_format():
     d = json.loads(to_json(_program("qwen2")))
-    for version in (1, 3, 0, None, "2"):
+    for version in (1, 2, 4, 0, None, "3"):
         bad = {**d, "format": version}
         with pytest.raises(ValueError, match="format"):
             from_json(json.dumps(bad))
@@ -596,19 +569,19 @@ def test_fuse_add_rms_norm_two_norms_of_one_sum():
 
 
 def test_eliminate_dead_values():
-    g, x, pos, n = _builder()
-    cache = g.input("cache", (CONTEXT, KV), F32, "k_cache", 0)
+    g, x, slots, n = _builder()
+    cache = g.input("cache", (PAGES, BLOCK, KV), F32, "k_pages", 0)
     k = g.op("linear", [x, "k_proj.w"], "k")
-    g.op("kv_append", [cache, k, pos, n], "cache2")  # output unused, but it writes the cache: kept
+    g.op("paged_kv_append", [cache, k, slots], "cache2")  # output unused, but it writes the pages: kept
     dead1 = g.op("linear", [x, "proj.w"], "dead1")
     dead2 = g.op("add", [dead1, dead1], "dead2")
     g.op("rms_norm", [dead2, "norm.w"], "dead3", eps=1e-5)  # a chain of dead values: all dropped
     out = g.op("rms_norm", [x, "norm.w"], "out", eps=1e-5)
     graph = g.finish([out])
     live = eliminate_dead_values(graph)
-    assert [op.kind for op in live.ops] == ["linear", "kv_append", "rms_norm"]
+    assert [op.kind for op in live.ops] == ["linear", "paged_kv_append", "rms_norm"]
     assert [op.outputs[0] for op in live.ops] == ["k", "cache2", "out"]
-    assert set(live.types) == {"x", "pos", "n", "cache", "k", "cache2", "out"}
+    assert set(live.types) == {"x", "slots", "n", "cache", "k", "cache2", "out"}
     assert live.inputs == graph.inputs and live.outputs == graph.outputs
     verify(_wrap(live))
     assert len(graph.ops) == 6 and "dead3" in graph.types  # input untouched
@@ -636,3 +609,31 @@ def test_weight_map_transforms_are_checked_and_implemented():
         with pytest.raises(IRError, match=match):
             verify(bad)
     assert from_json(to_json(program)).params == program.params
+
+
+def test_entries_declare_their_bucket_axes_and_the_build_compiles_each_over_them():
+    """The model builder says which dims of an entry vary per VM function; `Buckets.functions` needs nothing else
+    (a new entry, e.g. an image encoder over patch counts, plugs in without compiler changes)."""
+    from ir.contract import Buckets
+
+    p = _program("qwen2")
+    assert p.entries["step"].bucket_dims == (TOKENS, ROWS) and not p.entries["step"].optional
+    assert p.entries["step_gather"].optional  # the legacy attention path: built on request
+    assert from_json(to_json(p)).entries["step_gather"] == p.entries["step_gather"]
+    buckets = Buckets((8, 16), (1, 4), 64, 8, entries=("step", "step_gather"))
+    names = [name for name, _, _ in buckets.functions(p)]
+    assert names == ["step_t1_r1", "step_t4_r1", "step_t4_r4", "step_t8_r1", "step_t8_r4", "step_t16_r1",
+                     "step_t16_r4", "step_gather_t1_r1", "step_gather_t4_r1", "step_gather_t4_r4",
+                     "step_gather_t8_r1", "step_gather_t8_r4", "step_gather_t16_r1", "step_gather_t16_r4"]
+    _, _, dims = buckets.functions(p)[2]
+    assert dims[TOKENS] == 4 and dims[ROWS] == 4 and dims[PAGES] == 8 and dims[BLOCK] == 16
+    # one graph compiled over nothing but the arena: a single function named after the entry
+    g = GraphBuilder("encode", PARAMS)
+    g.input("x", (3, HIDDEN), F32, "input_embeddings")
+    assert Buckets((8,), (1,), 64, 8, entries=("encode",)).functions(_wrap(g.finish(["x"])))[0][0] == "encode"
+
+
+@pytest.mark.parametrize("dims", [("pages",), (TOKENS, TOKENS), (ROWS,)])
+def test_verify_rejects_bad_bucket_dims(dims):
+    g = _small_graph()  # its inputs use TOKENS only
+    _rejects(replace(g, bucket_dims=dims), "bucket dims")

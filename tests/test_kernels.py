@@ -14,7 +14,7 @@ from compiler.kernels import KERNELS, make_kernel
 from compiler.target import cpu_target
 from ir import OPS, TensorType, infer_types
 from schedules import cpu
-from schedules.cpu_attention import paged_attention, prefill_attention
+from schedules.cpu_attention import paged_attention
 
 TARGET = cpu_target()
 RNG = np.random.default_rng(0)
@@ -86,49 +86,10 @@ def test_linear(dtype, rows, k, n, bias):
 @pytest.mark.parametrize("head_dim,rotary", [(16, 16), (32, 8)])
 def test_rope(pos, head_dim, rotary):
     x = rand(5, 3 * head_dim)
+    positions = (pos + np.arange(5)).astype(np.int32)
     inv_freq = [1.0 / 10000 ** (2 * i / rotary) for i in range(rotary // 2)]
     attrs = {"head_dim": head_dim, "inv_freq": inv_freq}
-    close(run_kernel("rope", [x, pos], attrs)[0], ref.rope(x, pos, head_dim, inv_freq), tol=1e-4)
-
-
-@pytest.mark.parametrize("pos,n", [(0, 4), (10, 2), (28, 4)])
-def test_kv_append_writes_only_valid_rows(pos, n):
-    cache, new = rand(32, 24), rand(4, 24)
-    close(run_kernel("kv_append", [cache, new, pos, n], {})[0], ref.kv_append(cache, new, pos, n))
-
-
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
-@pytest.mark.parametrize("rows,pos,n", [(1, 0, 1), (1, 20, 1), (8, 0, 8), (8, 5, 6), (16, 10, 16), (32, 0, 32),
-                                        (32, 3, 20)])  # 16 and 32 rows: the prefill kernel
-def test_attention(heads, kv_heads, rows, pos, n):
-    head_dim, ctx = 16, 32
-    q, k, v = rand(rows, heads * head_dim), rand(ctx, kv_heads * head_dim), rand(ctx, kv_heads * head_dim)
-    k[pos + n:], v[pos + n:] = np.nan, np.nan  # not yet written: must never reach any row, padding rows included
-    attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "scale": 1 / math.sqrt(head_dim)}
-    got = run_kernel("attention", [q, k, v, pos, n], attrs)[0]
-    want = ref.attention(q, k, v, pos, n, **attrs)
-    types = [TensorType(a.shape, "float32") for a in (q, k, v)] + [TensorType((), "int32")] * 2
-    written = prefill_attention(make_kernel("attention", types, attrs).func, attrs, TARGET.lanes)
-    assert (written is not None) == (rows > 1 and rows % TARGET.lanes == 0)  # which kernel this case tests
-    close(got[:n], want[:n], tol=1e-4)
-    assert np.isfinite(got).all()
-
-
-@pytest.mark.parametrize("rows,pos,n", [(8, 3, 8), (16, 0, 16), (32, 7, 20)])
-def test_prefill_attention_for_an_avx2_cpu(rows, pos, n):
-    """The prefill attention kernel at 8 float32 lanes (x86-64-v3), run on this CPU."""
-    heads, kv_heads, head_dim, ctx = 4, 2, 24, 40  # head_dim 24: three 8-lane vectors, not a multiple of 16
-    q, k, v = rand(rows, heads * head_dim), rand(ctx, kv_heads * head_dim), rand(ctx, kv_heads * head_dim)
-    k[pos + n:], v[pos + n:] = np.nan, np.nan
-    attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "scale": 0.2}
-    types = [TensorType(a.shape, "float32") for a in (q, k, v)] + [TensorType((), "int32")] * 2
-    avx2 = cpu_target("x86-64-v3")
-    func = cpu.schedule(make_kernel("attention", types, attrs).func, "attention", attrs, avx2)
-    assert prefill_attention(make_kernel("attention", types, attrs).func, attrs, avx2.lanes) is not None
-    out = tvm.runtime.empty(q.shape, "float32", tvm.cpu())
-    tvm.compile(func, avx2.tvm_target())["main"](*[tvm.runtime.tensor(a) for a in (q, k, v)], pos, n, out)
-    close(out.numpy()[:n], ref.attention(q, k, v, pos, n, **attrs)[:n], tol=1e-4)
-    assert np.isfinite(out.numpy()).all()
+    close(run_kernel("rope", [x, positions], attrs)[0], ref.rope(x, pos, head_dim, inv_freq), tol=1e-4)
 
 
 @pytest.mark.parametrize("rows,width", [(1, 128), (5, 40)])
@@ -136,12 +97,6 @@ def test_silu_mul_and_add(rows, width):
     a, b = rand(rows, width), rand(rows, width)
     close(run_kernel("silu_mul", [a, b], {})[0], ref.silu_mul(a, b))
     close(run_kernel("add", [a, b], {})[0], ref.add(a, b))
-
-
-@pytest.mark.parametrize("n", [1, 3, 8])
-def test_take_last(n):
-    x = rand(8, 16)
-    close(run_kernel("take_last", [x, n], {})[0], ref.take_last(x, n))
 
 
 @pytest.mark.parametrize("rows", [1, 6])
@@ -239,16 +194,6 @@ def test_sigmoid_mul():
     close(run_kernel("sigmoid_mul", [g, x], {})[0], ref.sigmoid_mul(g, x))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("rows,n", [(1, 1), (8, 8), (8, 5), (16, 2)])
-def test_causal_conv1d_output_and_rolling_state(dtype, rows, n):
-    x, state, w = rand(rows, 40), rand(3, 40), rand(40, 1, 4, dtype=dtype)
-    y, new_state = run_kernel("causal_conv1d", [x, state, w, n], {})
-    want_y, want_state = ref.causal_conv1d(x, state, w, n)
-    close(y[:n], want_y, tol=1e-4)
-    close(new_state, want_state)
-
-
 def _delta_case(rows, n, hk, hv, dk, dv, seed):
     rng = np.random.default_rng(seed)
     qkv = rng.standard_normal((rows, 2 * hk * dk + hv * dv)).astype(np.float32)
@@ -271,16 +216,25 @@ def test_delta_inputs(rows, n):
 
 
 @pytest.mark.parametrize("chunk", [0, 4, 64])
+@pytest.mark.parametrize("pos", [0, 9])
 @pytest.mark.parametrize("rows,n,hk,hv,dk,dv", [(1, 1, 2, 4, 8, 6), (8, 8, 2, 2, 8, 6), (16, 11, 1, 3, 8, 6),
                                                 (12, 12, 2, 4, 8, 6), (16, 9, 2, 4, 16, 16)])
-def test_gated_delta_rule_recurrent_and_chunked_match_the_recurrence(chunk, rows, n, hk, hv, dk, dv):
+def test_one_sequence_delta_rule_chunked_or_recurrent_matches_the_recurrence(chunk, pos, rows, n, hk, hv, dk, dv):
+    """A step of one sequence (n real rows of `rows`, the rest padding) from its slot: at position 0 the slot's
+    old state is ignored; the chunked form is built when `chunk` and the rows share a factor > 1."""
     qkv, a, b, a_log, dt_bias, state = _delta_case(rows, n, hk, hv, dk, dv, seed=rows + n)
     qk, gates = ref.delta_inputs(qkv, a, b, a_log, dt_bias, n, hk, dk)
+    pool = np.stack([state * 2, state, state - 1])  # slot 1 is the sequence's
+    seqs = [np.array([v], dtype=np.int32) for v in (0, n, pos, 1)]
     attrs = {"num_k_heads": hk, "num_v_heads": hv, "k_dim": dk, "v_dim": dv, "chunk": chunk}
-    out, new_state = run_kernel("gated_delta_rule", [qk, qkv, gates, state], attrs)
-    want_out, want_state = ref.gated_delta_rule(qk, qkv, gates, state, hk, hv, dk, dv)
+    types = [TensorType(x.shape, str(x.dtype)) for x in (qk, qkv, gates, pool, *seqs)]
+    chunked = "delta_dots" in make_kernel("batch_gated_delta_rule", types, attrs).func.script()
+    assert chunked == (math.gcd(rows, chunk) > 1)
+    out, new_pool = run_kernel("batch_gated_delta_rule", [qk, qkv, gates, pool, *seqs], attrs)
+    want_out, want_pool = ref.batch_gated_delta_rule(qk, qkv, gates, pool, *seqs, num_k_heads=hk, num_v_heads=hv,
+                                                     k_dim=dk, v_dim=dv)
     close(out[:n], want_out[:n], tol=1e-4)
-    close(new_state, want_state, tol=1e-4)
+    close(new_pool, want_pool, tol=1e-4)
 
 
 # Three sequences of a batch over 9 token rows (the last one padding): a decode token of a sequence at
@@ -303,7 +257,7 @@ def test_batch_gated_delta_rule_runs_each_sequence_from_its_slot():
     qk, gates = ref.delta_inputs(qkv, a, b, a_log, dt_bias, 8, hk, dk)
     pool = (RNG.standard_normal((4, hv, dk, dv)) * 0.5).astype(np.float32)
     attrs = {"num_k_heads": hk, "num_v_heads": hv, "k_dim": dk, "v_dim": dv}
-    out, new_pool = run_kernel("batch_gated_delta_rule", [qk, qkv, gates, pool, *SEQS], attrs)
+    out, new_pool = run_kernel("batch_gated_delta_rule", [qk, qkv, gates, pool, *SEQS], {**attrs, "chunk": 16})
     want_out, want_pool = ref.batch_gated_delta_rule(qk, qkv, gates, pool, *SEQS, **attrs)
     close(out[:8], want_out[:8], tol=1e-4)
     close(new_pool, want_pool, tol=1e-4)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -176,7 +177,7 @@ class ScriptedModel:
         pass
 
     def new_cache(self, tokens):
-        return None
+        return SimpleNamespace(release=lambda: None)
 
     def forward(self, ids, cache):
         logits = np.zeros(self.vocab, dtype=np.float32)
@@ -292,3 +293,16 @@ def test_incremental_detokenizer_decodes_a_bounded_window(qwen2):
     detok = IncrementalDetokenizer(decode, skip_special_tokens=True)
     text = "".join(detok.step(ids[:n]) for n in range(1, len(ids) + 1)) + detok.flush(ids)
     assert text == qwen2.decode(ids) and len(ids) > 40 and max(widths) <= 4
+
+
+def test_a_request_is_a_batch_of_one_that_gives_its_pages_back(qwen2):
+    """Single requests run on the paged arena; a finished request, and one whose stream is abandoned, return
+    their pages."""
+    qwen2.generate_text("Hi", GreedyGenerationConfig(20, eos_token_ids=[]))
+    arena, pages = qwen2.model._arena, qwen2.model.buckets.kv_pages
+    assert len(arena.free_pages) == pages
+    tokens = iter(qwen2.stream_text("Hello there", GreedyGenerationConfig(40, eos_token_ids=[])))
+    next(tokens)
+    assert len(arena.free_pages) < pages  # the open stream holds its pages
+    tokens.close()
+    assert len(arena.free_pages) == pages and qwen2.model._arena is arena

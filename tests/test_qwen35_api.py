@@ -81,7 +81,7 @@ def test_top_level_fields_fill_in_for_the_text_config():
 
 def test_generate_cli_defaults_to_8_new_tokens(tmp_path):
     write_tiny_checkpoint(tmp_path / "models" / "qwen35", arch="qwen3_5", num_hidden_layers=2)
-    built = run("compiler", "build", "models/qwen35", "--prefill-buckets", "8", "--context-buckets", "32", cwd=tmp_path)
+    built = run("compiler", "build", "models/qwen35", "--prefill-buckets", "8", "--max-context", "32", cwd=tmp_path)
     assert built.returncode == 0, built.stderr
     result = run("runtime.generate", "models/qwen35", "Hello", cwd=tmp_path)
     assert result.returncode == 0, result.stderr

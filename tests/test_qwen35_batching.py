@@ -89,9 +89,22 @@ def test_a_failed_step_makes_the_cache_unusable(model, monkeypatch):
 
     for name in list(model._functions):
         monkeypatch.setitem(model._functions, name, broken)
-    with pytest.raises(GenerationError, match="create a new one with new_batch_cache"):
+    with pytest.raises(GenerationError, match=r"create a new one \(new_cache\(\) for one sequence, new_batch_cache"):
         model.step([row], cache)
     monkeypatch.undo()
     with pytest.raises(GenerationError, match="unusable after a failed step"):
         model.step([row], cache)
     np.testing.assert_array_equal(model.step([row], model.new_batch_cache()), before)
+
+
+def test_a_failed_step_of_one_sequence_leaves_a_fresh_arena_for_new_ones(model, monkeypatch):
+    alone = model.forward([1, 2, 3], model.new_cache())
+    cache = model.new_cache()
+    for name in list(model._functions):
+        monkeypatch.setitem(model._functions, name, lambda *args: (_ for _ in ()).throw(RuntimeError("lost")))
+    with pytest.raises(GenerationError, match=r"the step failed \(lost\).*new_cache\(\) for one sequence"):
+        model.forward([1, 2, 3], cache)
+    monkeypatch.undo()
+    with pytest.raises(GenerationError, match="unusable after a failed step"):
+        model.forward([1, 2, 3], cache)
+    np.testing.assert_array_equal(model.forward([1, 2, 3], model.new_cache()), alone)

@@ -1,15 +1,13 @@
-"""One request on the paged engine beside the contiguous-cache path, and batch-8 decode beside batch-1.
+"""Batch-N decode beside a single request on the one engine.
 
-    python -m benchmarks.engine_paths --work DIR [--shape qwen2.5-0.5b] [--dtype bfloat16] [--prompt 128]
-                                      [--tokens 64] [--runs 3] [--rows 8]
+    python -m benchmarks.batch_scaling --work DIR [--shape qwen2.5-0.5b] [--dtype bfloat16] [--prompt 128]
+                                       [--tokens 64] [--runs 3] [--rows 8]
 
-Builds one artifact with both paths (prefill bucket = the prompt length, batched steps for 1 and --rows
-sequences), then, in one process and alternating run by run: the prompt's prefill and --tokens greedy decode
-steps through the contiguous `prefill`/`decode` functions (`runtime.generate`), the same through one-row paged
-steps (`CompiledModel.step`), and --rows sequences decoding together. Checks that both single-request paths
-generate the same tokens; prints one JSON line per figure (medians of --runs, after one untimed warm-up run)
-and the ratios: paged / contiguous
-prefill and decode tokens/s, and batch-N / batch-1 decode output tokens/s.
+Builds one artifact (prefill bucket = the prompt length, steps for 1 and --rows sequences), then, in one
+process and alternating run by run: one request (`runtime.generate`: the prompt's prefill and --tokens greedy
+decode steps, each a step of one row), and --rows sequences decoding together (`CompiledModel.step`). Checks
+that the batch's first sequence generates the single request's tokens; prints one JSON line per figure
+(medians of --runs, after one untimed warm-up run) and the ratio batch-N / batch-1 decode output tokens/s.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ class PagedRequests:
     """Sequences on the model's paged arena, each with its own consecutive pages, stepped together greedily."""
 
     def __init__(self, model: CompiledModel, count: int):
-        b = model.batch_layout()
+        b = model.buckets
         self.model, self.cache = model, model.new_batch_cache()
         self.pages = [list(range(i * b.pages_per_row, (i + 1) * b.pages_per_row)) for i in range(count)]
         self.tokens: list[list[int]] = [[] for _ in range(count)]
@@ -78,8 +76,8 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = real_shape_checkpoint(args.work, args.shape, args.dtype)
     context = args.prompt + args.tokens
-    artifact = build(model_dir, out=Path(args.work) / f"{model_dir.name}-paths", prefill_buckets=(args.prompt,),
-                     context_buckets=(context,), batch_rows=(1, args.rows), quiet=True).path
+    artifact = build(model_dir, out=Path(args.work) / f"{model_dir.name}-rows{args.rows}", prefill_buckets=(args.prompt,),
+                     max_context=context, batch_rows=(1, args.rows), quiet=True).path
     model = CompiledModel(model_dir, artifact)
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, model.config.vocab_size, args.prompt)]
     config = GreedyGenerationConfig(args.tokens, eos_token_ids=[])
@@ -87,28 +85,21 @@ def main() -> None:
     for run in range(args.runs + 1):  # run 0 warms every path up (thread pool, caches, first allocations)
         if run == 1:
             figures.clear()
-        contiguous = generate(model, prompt, config)
-        figures.setdefault("contiguous_prefill", []).append(args.prompt / contiguous.prefill_seconds)
-        figures.setdefault("contiguous_decode", []).append((args.tokens - 1) / contiguous.decode_seconds)
-        one = PagedRequests(model, 1)
-        figures.setdefault("paged_prefill", []).append(args.prompt / _timed(lambda: one.prefill([prompt])))
-        seconds = _timed(lambda: [one.decode() for _ in range(args.tokens - 1)])
-        figures.setdefault("paged_decode", []).append((args.tokens - 1) / seconds)
-        if one.tokens[0][args.prompt:] != contiguous.generated_token_ids:
-            raise SystemExit("the paged path generated other tokens than the contiguous path")
+        single = generate(model, prompt, config)
+        figures.setdefault("single_prefill", []).append(args.prompt / single.prefill_seconds)
+        figures.setdefault("single_decode", []).append((args.tokens - 1) / single.decode_seconds)
         many = PagedRequests(model, args.rows)
         many.prefill([prompt[i:] + prompt[:i] for i in range(args.rows)])
         seconds = _timed(lambda: [many.decode() for _ in range(args.tokens - 1)])
-        figures.setdefault(f"paged_decode_batch{args.rows}", []).append(args.rows * (args.tokens - 1) / seconds)
+        figures.setdefault(f"decode_batch{args.rows}", []).append(args.rows * (args.tokens - 1) / seconds)
+        if many.tokens[0][args.prompt:] != single.generated_token_ids:
+            raise SystemExit("a sequence of the batch generated other tokens than the same request alone")
     median = {name: statistics.median(values) for name, values in figures.items()}
     for name, value in median.items():
         print(json.dumps({"figure": name, "tokens_per_s": round(value, 2), "runs": [round(v, 2) for v in figures[name]]}))
     print(json.dumps({"cpu": cpu_name(), "shape": args.shape, "dtype": args.dtype, "prompt": args.prompt,
-                      "tokens": args.tokens,
-                      "paged_over_contiguous_prefill": round(median["paged_prefill"] / median["contiguous_prefill"], 3),
-                      "paged_over_contiguous_decode": round(median["paged_decode"] / median["contiguous_decode"], 3),
-                      f"batch{args.rows}_over_batch1_decode": round(
-                          median[f"paged_decode_batch{args.rows}"] / median["paged_decode"], 2)}))
+                      "tokens": args.tokens, f"batch{args.rows}_over_batch1_decode": round(
+                          median[f"decode_batch{args.rows}"] / median["single_decode"], 2)}))
 
 
 if __name__ == "__main__":
