@@ -126,8 +126,9 @@ class Buckets:
 
     @staticmethod
     def function_name(entry: str, sizes: dict[str, int]) -> str:
-        """The VM function of `entry` at these bucket sizes, e.g. step_t16_r1."""
-        return "_".join([entry] + [f"{BUCKET_AXES[axis]}{size}" for axis, size in sizes.items()])
+        """The VM function of `entry` at these bucket sizes, e.g. step_t16_r1 (axes in BUCKET_AXES order, however the
+        entry or the caller lists them)."""
+        return "_".join([entry] + [f"{tag}{sizes[axis]}" for axis, tag in BUCKET_AXES.items() if axis in sizes])
 
     def arena_dims(self) -> dict[str, int]:
         """Bindings of the state dims: KV pages and their size, state slots (one per row of the largest step),

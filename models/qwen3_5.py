@@ -188,8 +188,7 @@ def _step_entry(c: Qwen35Config, params: dict[str, Param], gather: bool):
             conv = g.input(f"conv_pool.{i}", (SLOTS, c.conv_kernel - 1, c.conv_dim), "float32", "conv_pool", i)
             delta = g.input(f"delta_pool.{i}", (SLOTS, c.linear_num_value_heads, c.linear_key_head_dim,
                                                 c.linear_value_head_dim), "float32", "recurrent_pool", i)
-            mixers.append(partial(_gated_delta_net, g, c, n=step["n"],
-                                  recurrence=partial(_batch_recurrence, g, c, seqs, conv, delta)))
+            mixers.append(partial(_gated_delta_net, g, c, n=step["n"], seqs=seqs, conv_pool=conv, delta_pool=delta))
     h = _decoder(g, c, step["ids"], mixers)
     return eliminate_dead_values(fuse_add_rms_norm(g.finish([batch_logits(g, c, h, step,
                                                                           c.weight_prefix + "embed_tokens")])))
@@ -228,33 +227,20 @@ def _gated_attention(g: GraphBuilder, c: Qwen35Config, layer: str, x: str, *, po
     return linear(g, gated, a + "o_proj", layer + "attn_out")
 
 
-def _gated_delta_net(g: GraphBuilder, c: Qwen35Config, layer: str, x: str, *, n: str, recurrence) -> str:
-    """Gated DeltaNet; `recurrence(layer, what, qkv, prepare)` runs the conv and the delta rule over the states."""
+def _gated_delta_net(g: GraphBuilder, c: Qwen35Config, layer: str, x: str, *, n: str, seqs: list[str],
+                     conv_pool: str, delta_pool: str) -> str:
+    """Gated DeltaNet of a step: the causal conv and the delta rule of each sequence over its own state slot (the
+    chunked delta rule for a step of one sequence: see compiler.kernels.batch_gated_delta_rule)."""
     a = layer + "linear_attn."
     qkv, z, b, a_in = (linear(g, x, a + f"in_proj_{part}", layer + name)
                        for part, name in (("qkv", "qkv"), ("z", "z"), ("b", "b"), ("a", "a")))
-
-    def prepare(mixed):  # normalised q/k and the gates of the delta rule
-        return g.op("delta_inputs", [mixed, a_in, b, a + "A_log", a + "dt_bias", n], layer + "delta_in",
-                    num_k_heads=c.linear_num_key_heads, k_dim=c.linear_key_head_dim)
-    core = recurrence(layer, a, qkv, prepare)
+    mixed, _ = g.op("batch_causal_conv1d", [qkv, conv_pool, a + "conv1d.weight", *seqs], layer + "conv")
+    qk, gates = g.op("delta_inputs", [mixed, a_in, b, a + "A_log", a + "dt_bias", n], layer + "delta_in",
+                     num_k_heads=c.linear_num_key_heads, k_dim=c.linear_key_head_dim)
+    core, _ = g.op("batch_gated_delta_rule", [qk, mixed, gates, delta_pool, *seqs], layer + "delta",
+                   chunk=PREFILL_CHUNK, num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
+                   k_dim=c.linear_key_head_dim, v_dim=c.linear_value_head_dim)
     normed = g.op("rms_norm", [core, a + "norm.weight"], layer + "delta_normed", eps=c.rms_norm_eps,
                   group=c.linear_value_head_dim)
     gated = g.op("silu_mul", [z, normed], layer + "delta_gated")
     return linear(g, gated, a + "out_proj", layer + "delta_out")
-
-
-def _delta_attrs(c: Qwen35Config) -> dict:
-    """The delta-rule ops' head attributes."""
-    return {"num_k_heads": c.linear_num_key_heads, "num_v_heads": c.linear_num_value_heads,
-            "k_dim": c.linear_key_head_dim, "v_dim": c.linear_value_head_dim}
-
-
-def _batch_recurrence(g, c, seqs, conv_pool, delta_pool, layer, a, qkv, prepare) -> str:
-    """Conv and delta rule of a step, each sequence over its own state slot (the chunked delta rule for a step of
-    one sequence: see compiler.kernels.batch_gated_delta_rule)."""
-    mixed, _ = g.op("batch_causal_conv1d", [qkv, conv_pool, a + "conv1d.weight", *seqs], layer + "conv")
-    qk, gates = prepare(mixed)
-    core, _ = g.op("batch_gated_delta_rule", [qk, mixed, gates, delta_pool, *seqs], layer + "delta",
-                    chunk=PREFILL_CHUNK, **_delta_attrs(c))
-    return core

@@ -122,5 +122,6 @@ def _without(options: tuple[str, ...], *flags: str) -> tuple[str, ...]:
 
 
 def last_line(error: Exception) -> str:
+    """The last non-empty line of an error's message (TVM's errors end with the one that says what failed)."""
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     return lines[-1] if lines else type(error).__name__

@@ -184,9 +184,7 @@ class CompiledModel:
         if cache.length + len(token_ids) > cache.capacity:
             raise GenerationError(f"sequence of {cache.length + len(token_ids)} tokens exceeds its cache's capacity "
                                   f"{cache.capacity}; create the cache for the whole request")
-        bad = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise GenerationError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.config.vocab_size - 1})")
+        self._check_token_ids(token_ids)
         cache.arena.cache.check()
         cache.reserve(cache.length + len(token_ids))
         done, logits = 0, None
@@ -196,6 +194,12 @@ class CompiledModel:
             cache.length += len(part)
             done += len(part)
         return logits
+
+    def _check_token_ids(self, token_ids) -> None:
+        """Refuse token ids outside the vocabulary (before anything is run or written)."""
+        bad = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise GenerationError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.config.vocab_size - 1})")
 
     def _chunk(self, remaining: int) -> int:
         """Tokens of the next step of one sequence: all that remain when a step bucket fits them exactly (a single
@@ -251,6 +255,7 @@ class CompiledModel:
         if tokens is None or row_bucket is None:
             raise GenerationError(f"a batch of {len(rows)} sequences and {total} tokens exceeds the built batch steps "
                                   f"(rows {list(b.batch_rows)}, tokens {list(b.step_tokens)})")
+        self._check_token_ids([t for ids, *_ in rows for t in ids])
         bad_slot = [slot for *_, slot in rows if not 0 <= slot < b.batch_rows[-1]]
         if bad_slot:
             raise GenerationError(f"state slots {bad_slot} are outside 0..{b.batch_rows[-1] - 1}")
@@ -269,8 +274,6 @@ class CompiledModel:
             seq_start[r], seq_len[r], seq_pos[r], seq_slot[r] = at, len(new), start, slot
             at += len(new)
             last[r] = at - 1
-        if (ids >= self.config.vocab_size).any() or (ids < 0).any():
-            raise GenerationError(f"token ids are outside the vocabulary (0..{self.config.vocab_size - 1})")
         values = {"token_ids": ids, "token_positions": pos_of, "token_rows": row_of, "kv_slots": slots,
                   "block_table": table, "last_tokens": last, "token_count": total, "seq_start": seq_start,
                   "seq_len": seq_len, "seq_pos": seq_pos, "seq_slot": seq_slot}
