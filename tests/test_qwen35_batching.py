@@ -108,3 +108,14 @@ def test_a_failed_step_of_one_sequence_leaves_a_fresh_arena_for_new_ones(model, 
     with pytest.raises(GenerationError, match="unusable after a failed step"):
         model.forward([1, 2, 3], cache)
     np.testing.assert_array_equal(model.forward([1, 2, 3], model.new_cache()), alone)
+
+
+def test_single_sequences_hold_a_recurrent_state_slot_each(model):
+    """One slot per live cache (one per row of the largest step: 8 here); a released cache's slot is reused."""
+    held = [model.new_cache(16) for _ in range(8)]
+    assert sorted(cache.slot for cache in held) == list(range(8))
+    with pytest.raises(GenerationError, match="all 8 recurrent-state slots are held by live caches.*release"):
+        model.new_cache(16)
+    slot = held[3].slot
+    held[3].release()
+    assert model.new_cache(16).slot == slot
