@@ -29,6 +29,7 @@ from ir.contract import (
     InputSpec,
     Manifest,
     ParamSpec,
+    QuantizationSpec,
     config_hash,
     default_artifact_dir,
     file_digest,
@@ -135,7 +136,9 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
         buckets=buckets,
         tvm_version=tvm.__version__,
         params=tuple(ParamSpec(p.name, p.type.shape, p.type.dtype, p.source_tensors, tuple(
-            SAFETENSORS_DTYPES[tensors[s].dtype] for s in p.source_tensors), p.transform) for p in program.params.values()),
+            SAFETENSORS_DTYPES[tensors[s].dtype] for s in p.source_tensors), p.transform,
+            p.type.packing and str(p.type.packing)) for p in program.params.values()),
+        quantization=_quantization(config.quantization, program),
         inputs=_entry_inputs(program, buckets),
         vocab_size=config.vocab_size,
         functions=tuple(name for name, _, _ in buckets.functions(program)),
@@ -154,6 +157,14 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
         executable = _compile(module, tgt)
         output.commit(lambda folder: _write_artifact(folder, manifest, program, executable, tgt))
     return BuildResult(out, False, time.perf_counter() - start)
+
+
+def _quantization(quant, program) -> QuantizationSpec | None:
+    """The manifest's record of the checkpoint's quantisation."""
+    if quant is None:
+        return None
+    packed = sum(p.type.packing is not None for p in program.params.values())
+    return QuantizationSpec(quant.quant_method, quant.bits, quant.version, quant.group_size, packed)
 
 
 def _options(tgt: CpuTarget | CudaTarget, buckets: Buckets, mcpu: str | None) -> tuple[str, ...]:

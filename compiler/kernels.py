@@ -15,6 +15,7 @@ from tvm import te, tirx
 from tvm.script import tirx as T
 
 from ir import TensorType
+from ir.packing import AWQ_PACK, Packing
 from schedules import stages
 
 F32 = "float32"
@@ -69,13 +70,36 @@ def add_rms_norm(types, attrs) -> Kernel:
 
 
 def linear(types, attrs) -> Kernel:
-    x, w, *bias = _placeholders(types, ["x", "weight", "bias"])
+    """x @ W.T (+ bias) of a float or packed (ir.packing) weight W [out, in]; a packed one takes its parts."""
+    x_type, w_type, *bias_type = types
+    x, *bias = _placeholders([x_type, *bias_type], ["x", "bias"])
+    w_parts = [te.placeholder(t.shape, t.dtype, name=n) for t, n in zip(w_type.parts(), PART_NAMES[w_type.packing and w_type.packing.kind])]
+    weight = _unpacked(w_type.packing, w_parts)
     k = te.reduce_axis((0, x.shape[1]), "k")
-    y = te.compute((x.shape[0], w.shape[0]), lambda i, j: te.sum(x[i, k] * _f32(w[j, k]), axis=k), name=stages.MATMUL)
+    y = te.compute((x.shape[0], w_type.shape[0]), lambda i, j: te.sum(x[i, k] * weight(j, k), axis=k),
+                   name=stages.MATMUL)
     if bias:
         b = bias[0]
         y = te.compute(y.shape, lambda i, j: y[i, j] + _f32(b[j]), name="bias_add")
-    return Kernel(te.create_prim_func([x, w, *bias, y]))
+    return Kernel(te.create_prim_func([x, *w_parts, *bias, y]))
+
+
+PART_NAMES = {None: ("weight",), "awq_int4": ("qweight", "qzeros", "scales")}  # parameter names of the parts
+
+
+def _unpacked(packing: Packing | None, parts: list):
+    """weight(j, k): element [j, k] of the logical weight matrix as float32, read from its parts."""
+    if packing is None:
+        return lambda j, k: _f32(parts[0][j, k])
+    qweight, qzeros, scales = parts
+    group = packing.group
+
+    def nibble(word, j):  # column j of a word lies in nibble slot AWQ_SLOT[j % 8]: (j % 2) * 4 + (j % 8) // 2
+        shift = ((j % 2) * 4 + (j % AWQ_PACK) // 2) * 4
+        return tirx.bitwise_and(tirx.shift_right(word, shift), 15)
+
+    return lambda j, k: (nibble(qweight[k, j // AWQ_PACK], j) - nibble(qzeros[k // group, j // AWQ_PACK], j)).astype(
+        F32) * _f32(scales[k // group, j])
 
 
 def rope(types, attrs) -> Kernel:

@@ -63,7 +63,7 @@ def lower_program(program: Program, buckets: Buckets, signatures: list[KernelSig
         attrs = json.loads(sig.attrs_json)
         kernel = schedule(make_kernel(sig.kind, list(sig.types), attrs, scan_lanes), sig.kind, attrs)
         kernels[sig] = (bb.add_func(kernel.func.with_attr("global_symbol", sig.name), sig.name), kernel.constants)
-    param_types = [p.type for p in program.params.values()]
+    param_types = [part for p in program.params.values() for part in p.type.parts()]  # a packed param: its parts
     for fn_name, entry, dims in buckets.functions(program):
         _lower_entry(bb, fn_name, program, program.entries[entry], dims, kernels, param_types)
     return bb.get()
@@ -78,12 +78,15 @@ def _lower_entry(bb, fn_name, program, graph, dims, kernels, param_types) -> Non
     weights = relax.Var("params", relax.TupleType([_relax_type(t) for t in param_types]))
     with bb.function(fn_name, inputs + [weights]):
         with bb.dataflow():
-            env = dict(zip(graph.inputs, inputs))
-            for i, name in enumerate(program.params):
-                env[name] = bb.emit(relax.TupleGetItem(weights, i))
+            env = {name: [var] for name, var in zip(graph.inputs, inputs)}  # value -> the tensors it is passed as
+            index = 0
+            for name, param in program.params.items():
+                parts = len(param.type.parts())
+                env[name] = [bb.emit(relax.TupleGetItem(weights, i)) for i in range(index, index + parts)]
+                index += parts
             for op in graph.ops:
                 gvar, constants = kernels[op_signature(graph, program, op, dims)]
-                args = [env[v] for v in op.inputs] + [relax.const(c) for c in constants]
+                args = [part for v in op.inputs for part in env[v]] + [relax.const(c) for c in constants]
                 out_types = [_relax_type(graph.types[o].bind(dims)) for o in op.outputs]
                 inplace = OPS[op.kind].inplace
                 if inplace:
@@ -92,9 +95,9 @@ def _lower_entry(bb, fn_name, program, graph, dims, kernels, param_types) -> Non
                     call = relax.call_tir(gvar, args, out_types)
                 result = bb.emit(call)
                 if len(op.outputs) == 1:
-                    env[op.outputs[0]] = result
+                    env[op.outputs[0]] = [result]
                 else:
                     for k, out in enumerate(op.outputs):
-                        env[out] = bb.emit(relax.TupleGetItem(result, k))
-            output = bb.emit_output(env[graph.outputs[0]])
+                        env[out] = [bb.emit(relax.TupleGetItem(result, k))]
+            output = bb.emit_output(env[graph.outputs[0]][0])
         bb.emit_func_output(output)

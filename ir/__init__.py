@@ -2,6 +2,7 @@
 
 from .builder import GraphBuilder
 from .errors import RudaError
+from .packing import Packing
 from .graph import (
     BLOCK,
     HISTORY,
@@ -26,6 +27,6 @@ from .verify import verify
 
 __all__ = [
     "BLOCK", "HISTORY", "INPUT_ROLES", "PAGES", "PAGES_PER_ROW", "ROWS", "SLOTS", "TOKENS", "Graph", "GraphBuilder", "IRError", "OPS",
-    "Op", "Param", "Program", "Role", "RudaError", "TensorType", "eliminate_dead_values", "format_program", "from_json", "fuse_add_rms_norm", "infer_types",
+    "Op", "Packing", "Param", "Program", "Role", "RudaError", "TensorType", "eliminate_dead_values", "format_program", "from_json", "fuse_add_rms_norm", "infer_types",
     "stable_hash", "to_json", "verify",
 ]

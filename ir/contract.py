@@ -64,6 +64,19 @@ class ParamSpec:
     sources: tuple[str, ...]
     source_dtypes: tuple[str, ...]
     transform: str
+    packing: Union[str, None] = None
+    """How a quantised weight is packed (ir.packing, e.g. awq_int4(g128)); its sources are the packing's parts."""
+
+
+@dataclass(frozen=True)
+class QuantizationSpec:
+    """The checkpoint's quantisation, as its quantization_config gives it, and how many params it packs."""
+
+    method: str
+    bits: int
+    version: str
+    group_size: int
+    packed_params: int
 
 
 @dataclass(frozen=True)
@@ -178,6 +191,8 @@ class Manifest:
     kernels: tuple[str, ...]
     build_options: tuple[str, ...]
     """`compiler build` options (after MODEL_DIR, without --out) that reproduce this artifact."""
+    quantization: Union[QuantizationSpec, None] = None
+    """None for float weights."""
     files: dict[str, str] = field(default_factory=dict)
     """SHA-256 of each module file."""
     format: int = FORMAT

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from .packing import Packing
+
 Dim = Union[int, str]
 """A dimension: a fixed size, or the name of a symbolic dim bound per shape bucket."""
 
@@ -65,22 +67,33 @@ class Role:
 
 @dataclass(frozen=True)
 class TensorType:
-    """Shape (ints or symbolic dim names) and element dtype of a value."""
+    """Shape (ints or symbolic dim names) and element dtype of a value; a packed weight (quantised) also says its
+    packing, and is stored as the packing's parts."""
 
     shape: tuple[Dim, ...]
     dtype: str
+    packing: Packing | None = None
 
     def __str__(self) -> str:
-        return f"{self.dtype}[{', '.join(str(d) for d in self.shape)}]"
+        packed = f"{self.packing}:" if self.packing else ""
+        return f"{packed}{self.dtype}[{', '.join(str(d) for d in self.shape)}]"
 
     def bind(self, dims: dict[str, int]) -> "TensorType":
         """This type with its symbolic dims replaced by the sizes in `dims`."""
-        return TensorType(tuple(dims.get(d, d) if isinstance(d, str) else d for d in self.shape), self.dtype)
+        return TensorType(tuple(dims.get(d, d) if isinstance(d, str) else d for d in self.shape), self.dtype,
+                          self.packing)
+
+    def parts(self) -> tuple["TensorType", ...]:
+        """The tensors a value of this type is stored and passed to kernels as: itself, or its packing's parts."""
+        if self.packing is None:
+            return (self,)
+        return tuple(TensorType(shape, dtype) for shape, dtype in self.packing.parts(self.shape, self.dtype))
 
 
 # How a param is made from its checkpoint tensors (the weight map); the runtime's loader implements each.
 WEIGHT_TRANSFORMS = {
     "copy": "the one source tensor as the checkpoint stores it",
+    "parts": "each source tensor as the checkpoint stores it: the parts of a packed type, in order",
 }
 
 

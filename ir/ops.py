@@ -33,9 +33,13 @@ def _act(t: TensorType, rank: int, what: str) -> None:
     _check(t.dtype == "float32" and len(t.shape) == rank, f"{what} must be float32 of rank {rank}, got {t}")
 
 
-def _weight(t: TensorType, shape: tuple[Dim, ...], what: str) -> None:
+def _weight(t: TensorType, shape: tuple[Dim, ...], what: str, packed: bool = False) -> None:
+    """A float weight of `shape`; `packed`: it may be stored packed (the ops whose kernels unpack it)."""
     _check(t.dtype in FLOAT_DTYPES, f"{what} must be a float tensor, got {t}")
     _check(t.shape == shape, f"{what} must have shape {shape}, got {t}")
+    _check(t.packing is None or packed, f"{what} cannot be packed, got {t}")
+    _check(t.packing is None or t.packing.problem(t.shape) is None,
+           f"{what} {t}: {t.packing and t.packing.problem(t.shape)}")
 
 
 def _scalar(t: TensorType, what: str) -> None:
@@ -184,7 +188,7 @@ def _linear(ins, attrs):
     x, w = ins[0], ins[1]
     _act(x, 2, "linear input")
     _check(len(w.shape) == 2, f"linear weight must be a matrix, got {w}")
-    _weight(w, (w.shape[0], x.shape[1]), "linear weight")
+    _weight(w, (w.shape[0], x.shape[1]), "linear weight", packed=True)
     if len(ins) == 3:
         _weight(ins[2], (w.shape[0],), "linear bias")
     return [TensorType((x.shape[0], w.shape[0]), "float32")]

@@ -6,16 +6,18 @@ import hashlib
 import json
 
 from .graph import Graph, Op, Param, Program, Role, TensorType
+from .packing import Packing
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 
 def _type(t: TensorType) -> dict:
-    return {"shape": list(t.shape), "dtype": t.dtype}
+    packing = {"packing": [t.packing.kind, t.packing.group]} if t.packing else {}
+    return {"shape": list(t.shape), "dtype": t.dtype, **packing}
 
 
 def _untype(d: dict) -> TensorType:
-    return TensorType(tuple(d["shape"]), d["dtype"])
+    return TensorType(tuple(d["shape"]), d["dtype"], Packing(*d["packing"]) if "packing" in d else None)
 
 
 def to_json_dict(program: Program) -> dict:

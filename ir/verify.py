@@ -58,9 +58,15 @@ def verify_graph(graph: Graph, program: Program) -> None:
 def verify(program: Program) -> Program:
     """Raise IRError if any param's weight-map entry or any entry of `program` is ill-formed; returns the program."""
     for param in program.params.values():
-        if param.transform not in WEIGHT_TRANSFORMS or (param.transform == "copy" and len(param.source_tensors) != 1):
-            raise IRError(f"{program.model_type}: param {param.name!r} has transform {param.transform!r} of "
-                          f"{list(param.source_tensors)}; transforms: {', '.join(WEIGHT_TRANSFORMS)} (copy: one source)")
+        parts = len(param.type.parts())
+        if param.transform not in WEIGHT_TRANSFORMS or len(param.source_tensors) != parts or \
+                (param.transform == "copy") != (param.type.packing is None):
+            raise IRError(f"{program.model_type}: param {param.name!r} of type {param.type} has transform "
+                          f"{param.transform!r} of {list(param.source_tensors)}; transforms: "
+                          f"{', '.join(WEIGHT_TRANSFORMS)} (copy: one source; parts: one per part of a packed type)")
+        if param.type.packing is not None and param.type.packing.problem(param.type.shape):
+            raise IRError(f"{program.model_type}: param {param.name!r} of type {param.type}: "
+                          f"{param.type.packing.problem(param.type.shape)}")
     for graph in program.entries.values():
         verify_graph(graph, program)
     return program

@@ -11,6 +11,7 @@ from . import llama, qwen2, qwen3_5
 from .checkpoint import TensorEntry, check_tensors, scan_checkpoint
 from .config import ConfigReader, ModelConfigError, read_config_json
 from .decoder import DecoderConfig, build_decoder_program, checkpoint_shapes
+from .quantization import packed_tensors, stored_shapes
 
 ARCHITECTURES = {"llama": llama.read_config, "qwen2": qwen2.read_config, "qwen3_5": qwen3_5.read_config,
                  "qwen3_5_text": qwen3_5.read_config}
@@ -22,11 +23,6 @@ def parse_config(raw: dict, source: str = "config.json") -> DecoderConfig:
     model_type = cfg.get("model_type")
     if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         raise cfg.error("model_type", f"is {model_type!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
-    quant = raw.get("quantization_config")
-    if quant is not None:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise cfg.error("quantization_config", f"marks a quantised checkpoint ({method!r}); "
-                        "the float Llama/Qwen2/Qwen3.5 loaders take unquantised weights only")
     return ARCHITECTURES[model_type](cfg)
 
 
@@ -43,11 +39,16 @@ def build_program(config: DecoderConfig, param_dtypes: Mapping[str, str] | None 
     return build_decoder_program(config, param_dtypes)
 
 
-def tensor_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
-    """Checkpoint tensor names and shapes a config implies."""
+def weight_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """The model's weights and their shapes, as an unquantised checkpoint stores them."""
     if isinstance(config, qwen3_5.Qwen35Config):
         return qwen3_5.checkpoint_shapes(config)
     return checkpoint_shapes(config)
+
+
+def tensor_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor names and shapes a config implies (a quantised projection as its packed parts)."""
+    return stored_shapes(weight_shapes(config), config.quantization)
 
 
 def ignored_tensors(config: DecoderConfig) -> tuple[str, ...]:
@@ -61,12 +62,14 @@ def ignored_tensors(config: DecoderConfig) -> tuple[str, ...]:
 def load_checkpoint(model_dir: str | Path) -> tuple[dict, DecoderConfig, dict[str, TensorEntry], dict[str, str]]:
     """(raw config.json, validated config, the checkpoint's tensors, their dtypes by name).
 
-    The checkpoint must hold exactly the tensors the config implies, each with its shape and a float dtype.
+    The checkpoint must hold exactly the tensors the config implies, each with its shape and a float dtype (int32
+    for the packed words of a quantised checkpoint).
     """
     raw, path = read_config_json(model_dir)
     config = parse_config(raw, str(path))
     tensors = scan_checkpoint(model_dir)
-    return raw, config, tensors, check_tensors(tensors, tensor_shapes(config), model_dir, ignored_tensors(config))
+    packed = packed_tensors(weight_shapes(config), config.quantization)
+    return raw, config, tensors, check_tensors(tensors, tensor_shapes(config), model_dir, ignored_tensors(config), packed)
 
 
 def load_checkpoint_program(model_dir: str | Path) -> tuple[dict, DecoderConfig, dict[str, TensorEntry], Program]:

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from ir.errors import RudaError
 
-SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-ITEM_SIZE = {"F32": 4, "F16": 2, "BF16": 2}
+FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+SAFETENSORS_DTYPES = {**FLOAT_DTYPES, "I32": "int32"}
+ITEM_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER = 100 * 1024 * 1024
@@ -125,18 +126,20 @@ def scan_checkpoint(model_dir: str | Path) -> dict[str, TensorEntry]:
 
 
 def check_tensors(entries: dict[str, TensorEntry], shapes: dict[str, tuple[int, ...]], model_dir: str | Path,
-                  ignored: tuple[str, ...] = ()) -> dict[str, str]:
-    """Check the checkpoint holds exactly the tensors a config implies (each with its shape and a float dtype),
-    besides those whose names start with an `ignored` prefix or are rotary buffers; returns name -> dtype."""
+                  ignored: tuple[str, ...] = (), packed: frozenset[str] = frozenset()) -> dict[str, str]:
+    """Check the checkpoint holds exactly the tensors a config implies (each with its shape and a float dtype, int32
+    for the `packed` words of quantised weights), besides those whose names start with an `ignored` prefix or are
+    rotary buffers; returns name -> dtype."""
     dtypes = {}
     for name, shape in shapes.items():
         entry = entries.get(name)
         if entry is None:
             raise CheckpointError(f"{model_dir}: tensor {name!r} is missing from the checkpoint; "
                                   "the weights do not match config.json")
-        if entry.dtype not in SAFETENSORS_DTYPES:
+        allowed = ("I32",) if name in packed else tuple(FLOAT_DTYPES)
+        if entry.dtype not in allowed:
             raise CheckpointError(f"{entry.file}: tensor {name!r} has dtype {entry.dtype}; "
-                                  f"supported: {', '.join(SAFETENSORS_DTYPES)}")
+                                  f"supported: {', '.join(allowed)}" + (" (packed 4-bit words)" if name in packed else ""))
         if entry.shape != tuple(shape):
             raise CheckpointError(f"{entry.file}: tensor {name!r} has shape {list(entry.shape)}, config.json implies "
                                   f"{list(shape)}; the weights do not match config.json")

@@ -21,7 +21,6 @@ from ir import (
     GraphBuilder,
     Param,
     Program,
-    TensorType,
     eliminate_dead_values,
     fuse_add_rms_norm,
     verify,
@@ -30,6 +29,7 @@ from ir.ops import SEQUENCE_INPUTS
 
 from .config import MAX_LAYERS, ConfigReader
 from .layers import linear, lm_head, swiglu_mlp
+from .quantization import AwqQuantization, check_groups, make_params, read_quantization
 from .rope import inv_freq, read_rope
 
 PARAM_DTYPES = ("float32", "float16", "bfloat16")
@@ -55,6 +55,8 @@ class DecoderConfig:
     dtype: str
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    quantization: AwqQuantization | None
+    """How the checkpoint stores its projections: None for float weights."""
 
 
 def read_decoder_config(cfg: ConfigReader, model_type: str, *, qkv_bias: bool, tie_default: bool) -> DecoderConfig:
@@ -63,8 +65,10 @@ def read_decoder_config(cfg: ConfigReader, model_type: str, *, qkv_bias: bool, t
     if cfg.float("partial_rotary_factor", 1.0) != 1.0:
         raise cfg.error("partial_rotary_factor", "must be 1.0; Llama-style decoders rotate the whole head")
     theta, scaling = read_rope(cfg)
-    return DecoderConfig(model_type=model_type, qkv_bias=qkv_bias,
-                         rope_inv_freq=tuple(inv_freq(cfg, fields["head_dim"], theta, scaling)), **fields)
+    config = DecoderConfig(model_type=model_type, qkv_bias=qkv_bias,
+                           rope_inv_freq=tuple(inv_freq(cfg, fields["head_dim"], theta, scaling)), **fields)
+    check_groups(config.quantization, checkpoint_shapes(config), cfg)
+    return config
 
 
 def decoder_fields(cfg: ConfigReader, tie_default: bool) -> dict:
@@ -107,11 +111,13 @@ def decoder_fields(cfg: ConfigReader, tie_default: bool) -> dict:
         dtype=dtype,
         bos_token_id=bos,
         eos_token_ids=tuple(eos),
+        quantization=read_quantization(cfg),
     )
 
 
 def checkpoint_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
-    """Checkpoint tensor name -> shape, exactly as the Hugging Face model stores them."""
+    """Weight name -> shape, exactly as the Hugging Face model stores them unquantised (a quantised checkpoint
+    stores some as their packed parts: models.quantization.stored_shapes)."""
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
     for i in range(c.num_hidden_layers):
@@ -139,10 +145,9 @@ def build_decoder_program(c: DecoderConfig, param_dtypes: Mapping[str, str] | No
 
 
 def assemble_program(c: DecoderConfig, shapes: dict, param_dtypes: Mapping[str, str] | None, step_entry) -> Program:
-    """The verified program: params of these checkpoint shapes, `step_entry` graphs (fused paged attention, and
-    the legacy gather path)."""
-    dtypes = param_dtypes or {}
-    params = {n: Param(n, TensorType(s, dtypes.get(n, c.dtype))) for n, s in shapes.items()}
+    """The verified program: params of these (float-layout) weight shapes as the checkpoint stores them (float, or
+    packed by its quantisation), `step_entry` graphs (fused paged attention, and the legacy gather path)."""
+    params = make_params(shapes, param_dtypes or {}, c.dtype, c.quantization)
     entries = {"step": step_entry(c, params, gather=False), "step_gather": step_entry(c, params, gather=True)}
     return verify(Program(c.model_type, params, entries, {"config": asdict(c)}))
 

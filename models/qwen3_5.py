@@ -92,7 +92,7 @@ def read_config(cfg: ConfigReader) -> Qwen35Config:
     """Validate a Qwen3.5 text config (either form)."""
     model_type = cfg.raw.get("model_type")
     text, prefix = text_config(cfg)
-    if text.raw.get("quantization_config") is not None:
+    if cfg.raw.get("quantization_config") is not None or text.raw.get("quantization_config") is not None:
         raise text.error("quantization_config", "marks a quantised checkpoint; the Qwen3.5 text loader takes "
                          "unquantised weights only")
     if text.get("attention_bias", False):

@@ -1,7 +1,7 @@
 """Tiny random-weight Llama, Qwen2 and Qwen3.5 checkpoints in the exact Hugging Face layout, for tests.
 
 `write_tiny_checkpoint` writes config.json, safetensors weights (single file or sharded with
-an index), a byte-level BPE tokenizer trained on a small embedded corpus (tokenizer.json,
+an index; with `awq_group_size`, an AutoAWQ GEMM INT4 checkpoint packed by `awq_quantize`), a byte-level BPE tokenizer trained on a small embedded corpus (tokenizer.json,
 tokenizer_config.json) and generation_config.json. Everything is deterministic in `seed`.
 Weights are scaled so that logits have a clear top-1 margin, which keeps greedy decoding
 comparable token by token across implementations.
@@ -9,7 +9,8 @@ comparable token by token across implementations.
 Qwen3.5 comes in both of its config forms: `qwen3_5_text` (a text-only checkpoint) and `qwen3_5` (the
 image-text checkpoint's config with a `text_config`; weights under `model.language_model.`).
 
-CLI: python -m models.tiny OUT_DIR [--arch qwen2|llama|qwen3_5_text|qwen3_5] [--seed N] [--dtype D] [--shards N] [--overwrite]
+CLI: python -m models.tiny OUT_DIR [--arch qwen2|llama|qwen3_5_text|qwen3_5] [--seed N] [--dtype D] [--shards N]
+     [--awq-group-size G] [--overwrite]
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from ir.errors import add_debug_flag, run_cli
+from ir.packing import AWQ_ORDER, AWQ_PACK
 from models import checkpoint_tensor_shapes
+from models.quantization import AWQ_PARTS, AwqQuantization
 
 ARCHS = ("qwen2", "llama", "qwen3_5_text", "qwen3_5")
 QWEN35_ARCHS = ("qwen3_5_text", "qwen3_5")
@@ -353,6 +356,48 @@ def random_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
     return weights
 
 
+def awq_quantize(weight: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(qweight, qzeros, scales) of a float [out, in] matrix quantised to 4 bits as AutoAWQ GEMM stores it: per
+    group of `group` input rows (-1: all) and output column, scale = (max - min) / 15 and an integer zero point
+    (round(-min / scale)); values round(w / scale) + zero in 0..15; eight to an int32 word in AWQ_ORDER."""
+    out, inp = weight.shape
+    group = inp if group == -1 else group
+    w = weight.astype(np.float32).T.reshape(inp // group, group, out)  # [groups, rows of a group, out]
+    low, high = np.minimum(w.min(axis=1), 0.0), np.maximum(w.max(axis=1), 0.0)
+    scales = np.maximum(high - low, 1e-6) / 15.0
+    scales = scales.astype(np.float16).astype(np.float32)  # the stored scale is what dequantises
+    zeros = np.clip(np.round(-low / scales), 0, 15)
+    q = np.clip(np.round(w / scales[:, None]) + zeros[:, None], 0, 15).reshape(inp, out)
+    return awq_pack(q), awq_pack(zeros), scales.astype(np.float16)
+
+
+def awq_pack(values: np.ndarray) -> np.ndarray:
+    """[rows, out] 4-bit values as int32 words [rows, out / 8]: nibble slot i of word c holds column 8c + AWQ_ORDER[i]."""
+    v = values.astype(np.uint32).reshape(values.shape[0], -1, AWQ_PACK)
+    words = np.zeros(v.shape[:2], np.uint32)
+    for slot, column in enumerate(AWQ_ORDER):
+        words |= v[:, :, column] << np.uint32(4 * slot)
+    return words.view(np.int32)
+
+
+def awq_checkpoint(config: dict, weights: dict[str, np.ndarray], group: int,
+                   modules_to_not_convert: tuple[str, ...] = ()) -> tuple[dict, dict[str, np.ndarray]]:
+    """The config and weights of a float checkpoint quantised as AutoAWQ GEMM INT4 with this group size (the
+    projections packed, the rest kept), with the quantization_config transformers writes."""
+    quant = AwqQuantization(group, tuple(modules_to_not_convert))
+    config = dict(config, quantization_config={
+        "quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True,
+        "modules_to_not_convert": list(modules_to_not_convert) or None})
+    packed = {}
+    for name, w in weights.items():
+        if not quant.packs(name):
+            packed[name] = w
+            continue
+        module = name.removesuffix(".weight")
+        packed |= {f"{module}.{part}": array for part, array in zip(AWQ_PARTS, awq_quantize(w, group))}
+    return config, packed
+
+
 def _shard_of_each(sizes: list[int], shards: int) -> list[int]:
     """Shard index per tensor: contiguous, non-empty, roughly byte-balanced groups."""
     total, count, shard, before, out = sum(sizes), len(sizes), 0, 0, []
@@ -440,9 +485,12 @@ def write_tiny_checkpoint(
     seed: int = 0,
     shards: int = 1,
     overwrite: bool = False,
+    awq_group_size: int | None = None,
+    modules_to_not_convert: tuple[str, ...] = (),
     **config_options,
 ) -> Path:
-    """Write a tiny random `arch` checkpoint (config as `tiny_config` takes it, weights, tokenizer) to `out_dir` atomically."""
+    """Write a tiny random `arch` checkpoint (config as `tiny_config` takes it, weights, tokenizer) to `out_dir`
+    atomically; with `awq_group_size`, its projections quantised to AutoAWQ GEMM INT4 (`awq_checkpoint`)."""
     out = Path(out_dir).resolve()
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out}: exists and is not a directory")
@@ -452,6 +500,8 @@ def write_tiny_checkpoint(
     vocab_size = config.get("text_config", config)["vocab_size"]
     tokenizer = build_tokenizer(arch, vocab_size)
     weights = random_weights(config, seed)
+    if awq_group_size is not None:
+        config, weights = awq_checkpoint(config, weights, awq_group_size, modules_to_not_convert)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -488,13 +538,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     parser.add_argument("--shards", type=int, default=1, help="number of safetensors files (default 1)")
+    parser.add_argument("--awq-group-size", type=int, default=None,
+                        help="quantise the projections to AutoAWQ GEMM INT4 with this group size (-1: one group)")
     parser.add_argument("--overwrite", action="store_true", help="replace out_dir if it exists")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     try:
         path = write_tiny_checkpoint(
-            args.out_dir, arch=args.arch, seed=args.seed, dtype=args.dtype, shards=args.shards, overwrite=args.overwrite
-        )
+            args.out_dir, arch=args.arch, seed=args.seed, dtype=args.dtype, shards=args.shards,
+            overwrite=args.overwrite, awq_group_size=args.awq_group_size)
     except ValueError as e:
         parser.error(str(e))
     print(path)

@@ -20,6 +20,7 @@ from .tokenizer import Tokenizer, default_eos_token_ids
 DEFAULT_GREEDY = GreedyGenerationConfig()
 LOADERS = {"llama": "load_huggingface_llama_pipeline", "qwen2": "load_huggingface_qwen2_pipeline",
            "qwen3_5": "load_huggingface_qwen35_text", "qwen3_5_text": "load_huggingface_qwen35_text"}
+AWQ_LOADERS = {"qwen2": "load_huggingface_awq_qwen2_pipeline", "llama": "load_pipeline"}  # Llama AWQ: no own loader
 QWEN35_TYPES = ("qwen3_5", "qwen3_5_text")
 
 
@@ -134,12 +135,22 @@ def _finish(stream: TextStream) -> GeneratedText:
     return stream.result
 
 
-def _load(model_dir: str | Path, artifact, device: str, expected: tuple[str, ...] | None) -> Pipeline:
+def _load(model_dir: str | Path, artifact, device: str, expected: tuple[str, ...] | None,
+          awq: bool = False) -> Pipeline:
+    """A pipeline, if the checkpoint is of an `expected` model type (None: any) and quantised with AWQ or not as
+    `awq` says; else an error naming the loader that takes it."""
     raw, path = read_config_json(model_dir)
     config = models.parse_config(raw, str(path))
+    quantised = config.quantization is not None
+    right = (AWQ_LOADERS if quantised else LOADERS).get(config.model_type, "load_pipeline")
     if expected is not None and config.model_type not in expected:
         raise models.ModelConfigError(f"{path}: model_type is {config.model_type!r}, not {' or '.join(expected)}; "
-                                      f"use {LOADERS[config.model_type]} (or load_pipeline)")
+                                      f"use {right} (or load_pipeline)")
+    if expected is not None and quantised != awq:
+        what = "AWQ INT4 weights (it has a quantization_config)" if quantised else "float weights (no AWQ " \
+            "quantization_config)"
+        raise models.ModelConfigError(f"{path}: the checkpoint holds {what}; use {right}" +
+                                      ("" if right == "load_pipeline" else " (or load_pipeline)"))
     return Pipeline(model_dir, artifact, device)
 
 
@@ -159,6 +170,13 @@ def load_huggingface_qwen2_pipeline(model_dir: str | Path, artifact: str | Path 
                                     device: str = "cpu") -> Pipeline:
     """A pipeline for an unquantised Qwen2 / Qwen2.5 checkpoint."""
     return _load(model_dir, artifact, device, ("qwen2",))
+
+
+def load_huggingface_awq_qwen2_pipeline(model_dir: str | Path, artifact: str | Path | None = None,
+                                        device: str = "cpu") -> Pipeline:
+    """A pipeline for an AutoAWQ GEMM INT4 Qwen2 / Qwen2.5 checkpoint (e.g. Qwen2.5-*-Instruct-AWQ): its packed
+    4-bit weights stay packed, unpacked inside the kernels."""
+    return _load(model_dir, artifact, device, ("qwen2",), awq=True)
 
 
 def load_huggingface_qwen35_text(model_dir: str | Path, artifact: str | Path | None = None,

@@ -19,7 +19,7 @@ from ir.contract import ParamSpec
 from ir.errors import RudaWarning
 from models.checkpoint import CheckpointError, TensorEntry
 
-NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I32": np.int32}
 # The exponent bits of each dtype: all set means infinity or NaN.
 EXPONENT_MASKS = {"F32": (np.uint32, 0x7F800000), "F16": (np.uint16, 0x7C00), "BF16": (np.uint16, 0x7F80)}
 _CHUNK = 1 << 22  # elements checked at a time
@@ -40,18 +40,19 @@ def nonfinite_count(array: np.ndarray, dtype: str) -> int:
 
 
 TRANSFORMS = {
-    "copy": lambda arrays: arrays[0],
+    "copy": lambda arrays: arrays[:1],
+    "parts": lambda arrays: arrays,
 }
-"""The weight map's transforms (ir.graph.WEIGHT_TRANSFORMS): source arrays -> the param's array."""
+"""The weight map's transforms (ir.graph.WEIGHT_TRANSFORMS): source arrays -> the arrays the param is passed as."""
 
 
 def load_params(entries: dict[str, TensorEntry], params: tuple[ParamSpec, ...],
                 device: tvm.runtime.Device) -> list[tvm.runtime.Tensor]:
-    """Each param, in order, made from its checkpoint tensors by its transform and copied onto `device` (with a
-    warning for each source that is not all finite)."""
+    """The arrays of each param, in order (one, or a packed param's parts), made from its checkpoint tensors by its
+    transform and copied onto `device` (with a warning for each float source that is not all finite)."""
     maps: dict[Path, mmap.mmap] = {}
-    return [tvm.runtime.tensor(TRANSFORMS[p.transform]([_source(entries[name], name, maps) for name in p.sources]),
-                               device) for p in params]
+    return [tvm.runtime.tensor(array, device) for p in params
+            for array in TRANSFORMS[p.transform]([_source(entries[name], name, maps) for name in p.sources])]
 
 
 def _source(entry: TensorEntry, name: str, maps: dict[Path, mmap.mmap]) -> np.ndarray:
@@ -68,7 +69,7 @@ def _source(entry: TensorEntry, name: str, maps: dict[Path, mmap.mmap]) -> np.nd
     except ValueError:
         raise CheckpointError(f"{entry.file}: shorter than its header says (truncated since it was checked); "
                               "restore it") from None
-    bad = nonfinite_count(array, entry.dtype)
+    bad = nonfinite_count(array, entry.dtype) if entry.dtype in EXPONENT_MASKS else 0
     if bad:
         warnings.warn(f"{entry.file}: tensor {name!r} holds {bad} NaN or infinite values; the checkpoint is "
                       "probably damaged, and generated text will be garbage", RudaWarning, stacklevel=3)

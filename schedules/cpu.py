@@ -16,7 +16,7 @@ from .amx import amx_gemm
 from .cpu_attention import paged_attention
 from .loops import split_loops, static_extent
 from .vector_math import vector_math
-from .written import linear_func
+from .written import linear_func, packed_weight
 
 
 def _spatial(sch: s_tir.Schedule, block, lanes: int) -> None:
@@ -68,6 +68,9 @@ def _delta_rule(sch: s_tir.Schedule, lanes: int) -> None:
 
 def _linear(sch: s_tir.Schedule, lanes: int) -> None:
     """Matrix products: a GEMM schedule when the rows fill whole SIMD vectors (prefill), else a GEMV one."""
+    if packed_weight(sch.mod["main"]):
+        _generic(sch, lanes)
+        return
     block = stages.only_reduction(sch)
     rows = static_extent(sch, sch.get_loops(block)[0])
     if rows % lanes == 0:
@@ -327,6 +330,8 @@ SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "paged
 
 def _written(func: tirx.PrimFunc, kind: str, lanes: int, amx: bool, attrs: dict | None) -> tirx.PrimFunc | None:
     """A hand-written kernel for this op and shape, or None when schedule primitives handle it."""
+    if kind == "linear" and packed_weight(func):
+        return None
     if kind == "linear":
         gemm = amx_gemm(func) if amx else None
         return gemm if gemm is not None else _rows_gemv(func, lanes)

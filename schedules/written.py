@@ -24,3 +24,8 @@ def linear_func(func: tirx.PrimFunc, products) -> tirx.PrimFunc:
                     y: T.Buffer((m, n), "float32")):
         products(x, w, y, lambda j: T.Cast("float32", b[j]))
     return linear_bias
+
+
+def packed_weight(func: tirx.PrimFunc) -> bool:
+    """Whether a `linear` kernel takes its weight packed (ir.packing: int32 words, zeros and scales)."""
+    return func.params[1].dtype == "int32"

@@ -505,7 +505,7 @@ def test_stable_hash_is_stable_and_sensitive():
 
 def test_from_json_refuses_unknown_format():
     d = json.loads(to_json(_program("qwen2")))
-    for version in (1, 2, 4, 0, None, "3"):
+    for version in (1, 2, 3, 5, 0, None, "4"):
         bad = {**d, "format": version}
         with pytest.raises(ValueError, match="format"):
             from_json(json.dumps(bad))

@@ -1,0 +1,47 @@
+"""Packed weight formats: a param whose type has a `Packing` holds its logical [out, in] matrix as several tensors
+(its parts), the way a quantised checkpoint stores it; kernels read the parts and unpack in registers.
+
+awq_int4 (AutoAWQ's GEMM layout, also read by transformers): 4-bit values, eight to an int32 word along the
+output columns, with a zero point and a scale per group of `group` input rows and output column:
+    qweight int32 [in, out / 8], qzeros int32 [in / group, out / 8], scales [in / group, out] (the logical dtype)
+Nibble slot i (bits 4i..4i+3) of word c holds column 8c + AWQ_ORDER[i]; W[o, i] = (q - z) * s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PACKINGS = {"awq_int4": "AutoAWQ GEMM 4-bit: qweight, qzeros (int32, 8 columns a word), scales"}
+AWQ_PACK = 8  # 4-bit values per int32 word
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble slot i of a word holds column 8 * word + AWQ_ORDER[i]
+AWQ_SLOT = tuple(AWQ_ORDER.index(c) for c in range(AWQ_PACK))  # column 8 * word + c lies in nibble slot AWQ_SLOT[c]
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How a weight matrix is packed: a kind from PACKINGS and its group (input rows per scale and zero point)."""
+
+    kind: str
+    group: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}(g{self.group})"
+
+    def problem(self, shape: tuple) -> str | None:
+        """Why a logical [out, in] matrix of `shape` cannot be packed this way, or None."""
+        if self.kind not in PACKINGS:
+            return f"unknown packing {self.kind!r} (known: {', '.join(PACKINGS)})"
+        if len(shape) != 2 or not all(isinstance(d, int) for d in shape):
+            return f"a packed weight must be a matrix of fixed size, got {list(shape)}"
+        out, inp = shape
+        if out % AWQ_PACK:
+            return f"{out} output columns are not a multiple of the {AWQ_PACK} a packed word holds"
+        if not isinstance(self.group, int) or self.group <= 0 or inp % self.group:
+            return f"group {self.group!r} does not divide the {inp} input rows"
+        return None
+
+    def parts(self, shape: tuple[int, int], dtype: str) -> tuple[tuple[tuple[int, ...], str], ...]:
+        """(shape, dtype) of each part of a logical [out, in] matrix of `dtype`, in the order kernels take them."""
+        out, inp = shape
+        return (((inp, out // AWQ_PACK), "int32"), ((inp // self.group, out // AWQ_PACK), "int32"),
+                ((inp // self.group, out), dtype))

@@ -1,0 +1,121 @@
+"""Quantised checkpoints: reading `quantization_config`, and the weight map of the projections it packs.
+
+Quantisation is data, not a model: the builders ask `linear` for a product of a checkpoint module, and the
+params made here say whether that module's weight is a float tensor or packed (ir.packing) over the checkpoint
+tensors that hold it. Supported: AutoAWQ GEMM INT4 (`quant_method` awq, `bits` 4, `version` gemm,
+`zero_point` true), as Qwen publishes its *-Instruct-AWQ checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from ir import Packing, Param, TensorType
+
+from .config import ConfigReader
+
+AWQ_PARTS = ("qweight", "qzeros", "scales")  # the checkpoint tensors of a packed module, in the order of its parts
+PROJECTION = "_proj.weight"  # the decoder's linear projections (q/k/v/o, gate/up/down): what AWQ packs
+
+
+@dataclass(frozen=True)
+class AwqQuantization:
+    """A validated AWQ `quantization_config`: group size (-1: one group per input width) and the modules left
+    unquantised (a module whose name contains one of them keeps its float weight, as transformers reads it)."""
+
+    group_size: int
+    modules_to_not_convert: tuple[str, ...] = ()
+    quant_method: str = "awq"
+    bits: int = 4
+    version: str = "gemm"
+    zero_point: bool = True
+
+    def packing(self, in_features: int) -> Packing:
+        """The packing of a quantised weight with `in_features` input rows."""
+        return Packing("awq_int4", in_features if self.group_size == -1 else self.group_size)
+
+    def packs(self, weight: str) -> bool:
+        """Whether the checkpoint stores this `module.weight` packed."""
+        module = weight.removesuffix(".weight")
+        return weight.endswith(PROJECTION) and not any(skip in module for skip in self.modules_to_not_convert)
+
+
+def read_quantization(cfg: ConfigReader) -> AwqQuantization | None:
+    """The checkpoint's quantisation (None for a float checkpoint); anything but AutoAWQ GEMM INT4 is an error
+    naming the field, its value and what is supported."""
+    raw = cfg.raw.get("quantization_config")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise cfg.error("quantization_config", f"must be an object, got {raw!r}")
+    q = _reader(cfg)
+    method = q.get("quant_method")
+    if not isinstance(method, str) or method.lower() != "awq":
+        raise q.error("quant_method", f"is {method!r}; supported: 'awq' (AutoAWQ GEMM INT4)")
+    bits = q.get("bits")
+    if bits != 4 or isinstance(bits, bool):
+        raise q.error("bits", f"is {bits!r}; supported: 4")
+    version = q.get("version", "gemm")
+    if not isinstance(version, str) or version.lower() != "gemm":
+        raise q.error("version", f"is {version!r}; supported: 'gemm' (the GEMV, Marlin and ExLlama packings are not)")
+    if q.get("zero_point", True) is not True:
+        raise q.error("zero_point", f"is {q.get('zero_point', True)!r}; supported: true (asymmetric, with zeros)")
+    group = q.get("group_size")
+    if isinstance(group, bool) or not isinstance(group, int) or not (group > 0 or group == -1):
+        raise q.error("group_size", f"is {group!r}; supported: a positive group size, or -1 (one group per row)")
+    skip = q.get("modules_to_not_convert", [])
+    if not isinstance(skip, list) or not all(isinstance(m, str) and m for m in skip):
+        raise q.error("modules_to_not_convert", f"must be a list of module names, got {skip!r}")
+    return AwqQuantization(group, tuple(skip))
+
+
+def check_groups(quant: AwqQuantization | None, shapes: Mapping[str, tuple[int, ...]], cfg: ConfigReader) -> None:
+    """Every packed weight's input width must split into whole groups, and its outputs into whole words."""
+    for name, shape in shapes.items():
+        if quant is not None and quant.packs(name):
+            problem = quant.packing(shape[1]).problem(shape)
+            if problem:
+                raise _reader(cfg).error("group_size", f"is {quant.group_size}, but {name} [{shape[0]}, {shape[1]}] "
+                                         f"cannot be packed: {problem}; the group size must divide every input width")
+
+
+def _reader(cfg: ConfigReader) -> ConfigReader:
+    """A reader of the quantization_config object, whose errors name it."""
+    return ConfigReader(cfg.raw["quantization_config"], f"{cfg.source}: quantization_config")
+
+
+def stored_shapes(shapes: Mapping[str, tuple[int, ...]], quant: AwqQuantization | None) -> dict[str, tuple[int, ...]]:
+    """The checkpoint tensors and shapes of a model whose float layout is `shapes`: each packed `module.weight`
+    becomes its parts (`module.qweight`, `module.qzeros`, `module.scales`)."""
+    out = {}
+    for name, shape in shapes.items():
+        if quant is None or not quant.packs(name):
+            out[name] = shape
+            continue
+        module = name.removesuffix(".weight")
+        for part, (part_shape, _) in zip(AWQ_PARTS, quant.packing(shape[1]).parts(shape, "float16")):
+            out[f"{module}.{part}"] = part_shape
+    return out
+
+
+def packed_tensors(shapes: Mapping[str, tuple[int, ...]], quant: AwqQuantization | None) -> frozenset[str]:
+    """The integer checkpoint tensors (packed words) among `stored_shapes`."""
+    return frozenset(f"{name.removesuffix('.weight')}.{part}" for name in shapes if quant is not None
+                     and quant.packs(name) for part in AWQ_PARTS[:2])
+
+
+def make_params(shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str], default: str,
+                quant: AwqQuantization | None) -> dict[str, Param]:
+    """The weight map: a param per float-layout weight in `shapes`, of its checkpoint dtype (`default` when not
+    given); a packed one is typed by its packing, over its parts, in the dtype of its scales."""
+    params = {}
+    for name, shape in shapes.items():
+        if quant is None or not quant.packs(name):
+            params[name] = Param(name, TensorType(shape, dtypes.get(name, default)))
+            continue
+        module = name.removesuffix(".weight")
+        sources = tuple(f"{module}.{part}" for part in AWQ_PARTS)
+        params[name] = Param(name, TensorType(shape, dtypes.get(sources[2], default), quant.packing(shape[1])),
+                             sources, "parts")
+    return params

@@ -1,0 +1,264 @@
+"""AutoAWQ GEMM INT4 checkpoints: the packing, every config error, the loaders, the kernels against numpy, and whole
+models against transformers on the same weights dequantised into a plain float checkpoint.
+
+The dequantiser here is written independently of ours: it reads each column's nibble by the documented order
+(nibble slot i of word c holds column 8c + [0, 2, 4, 6, 1, 3, 5, 7][i]).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import tvm
+from safetensors.numpy import load_file, save_file
+
+import models
+from compiler.kernels import make_kernel
+from compiler.target import cpu_target
+from ir import IRError, Packing, TensorType, infer_types
+from models.checkpoint import CheckpointError
+from models.tiny import awq_pack, awq_quantize, tiny_config, write_tiny_checkpoint
+from runtime import (CompiledModel, GreedyGenerationConfig, generate, load_huggingface_awq_qwen2_pipeline,
+                     load_huggingface_llama_pipeline, load_huggingface_qwen2_pipeline, load_pipeline)
+from schedules.cpu import schedule
+from test_models_vs_transformers import DECODE_STEPS, assert_logits_close
+
+DOCUMENTED_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def unpack(words: np.ndarray, columns: int) -> np.ndarray:
+    """[rows, columns / 8] int32 words -> [rows, columns] 4-bit values."""
+    bits = words.view(np.uint32)
+    out = np.empty((words.shape[0], columns), np.int64)
+    for c in range(columns):
+        slot = DOCUMENTED_ORDER.index(c % 8)
+        out[:, c] = (bits[:, c // 8] >> (4 * slot)) & 0xF
+    return out
+
+
+def dequantise(qweight, qzeros, scales) -> np.ndarray:
+    """The float32 [out, in] matrix of one AWQ module."""
+    columns = scales.shape[1]
+    group = qweight.shape[0] // scales.shape[0]
+    q, z = unpack(qweight, columns), np.repeat(unpack(qzeros, columns), group, axis=0)
+    return np.ascontiguousarray(((q - z) * np.repeat(scales.astype(np.float32), group, axis=0)).T)
+
+
+def dequantised_checkpoint(awq_dir, out_dir):
+    """A float32 copy of an AWQ checkpoint (no quantization_config), for transformers to read as a plain model."""
+    shutil.copytree(awq_dir, out_dir)
+    tensors = load_file(awq_dir / "model.safetensors")
+    plain = {}
+    for name, array in tensors.items():
+        if name.endswith(".qweight"):
+            module = name.removesuffix(".qweight")
+            plain[f"{module}.weight"] = dequantise(array, tensors[f"{module}.qzeros"], tensors[f"{module}.scales"])
+        elif not name.endswith((".qzeros", ".scales")):
+            plain[name] = np.ascontiguousarray(array, dtype=np.float32)
+    save_file(plain, out_dir / "model.safetensors")
+    config = json.loads((out_dir / "config.json").read_text())
+    del config["quantization_config"]
+    (out_dir / "config.json").write_text(json.dumps(config | {"torch_dtype": "float32"}))
+    return out_dir
+
+
+def test_packing_matches_the_documented_nibble_order():
+    values = np.arange(16, dtype=np.int64).reshape(1, 16)  # column c holds c
+    words = awq_pack(values).view(np.uint32)
+    # slot i of word 0 holds column [0, 2, 4, 6, 1, 3, 5, 7][i]: nibbles 0, 2, 4, 6, 1, 3, 5, 7 from the bottom
+    assert words[0, 0] == 0x75316420 and words[0, 1] == 0xFDB9ECA8
+    np.testing.assert_array_equal(unpack(awq_pack(values), 16), values)
+
+
+@pytest.mark.parametrize("group", [32, 64, -1])
+def test_quantised_matrix_dequantises_close_to_the_float_one(group):
+    weight = np.random.default_rng(0).standard_normal((24, 128)).astype(np.float32)
+    qweight, qzeros, scales = awq_quantize(weight, group)
+    groups = 1 if group == -1 else 128 // group
+    assert qweight.shape == (128, 3) and qzeros.shape == (groups, 3) and scales.shape == (groups, 24)
+    assert scales.dtype == np.float16
+    err = np.abs(dequantise(qweight, qzeros, scales) - weight)
+    assert (err <= np.repeat(scales.astype(np.float32), 128 // groups, axis=0).T * 0.5 + 1e-3).all()
+
+
+def _awq_config(**quant):
+    """A tiny Qwen2 config.json dict with an AWQ quantization_config (fields given None are left out)."""
+    fields = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm", "zero_point": True} | quant
+    return tiny_config("qwen2", dtype="float16") | {
+        "quantization_config": {k: v for k, v in fields.items() if v is not None}}
+
+
+CONFIG_ERRORS = [
+    ({"quant_method": "gptq"}, "quant_method", "'gptq'; supported: 'awq'"),
+    ({"bits": 8}, "bits", "is 8; supported: 4"),
+    ({"bits": None}, "bits", "missing"),
+    ({"version": "gemv"}, "version", "'gemv'; supported: 'gemm'"),
+    ({"version": "marlin"}, "version", "supported: 'gemm'"),
+    ({"zero_point": False}, "zero_point", "False; supported: true"),
+    ({"group_size": 0}, "group_size", "is 0; supported: a positive group size, or -1"),
+    ({"group_size": -2}, "group_size", "supported: a positive group size, or -1"),
+    ({"group_size": "128"}, "group_size", "'128'"),
+    ({"group_size": 48}, "group_size", "is 48, but model.layers.0.self_attn.q_proj.weight [64, 64] cannot be packed: "
+                                       "group 48 does not divide the 64 input rows"),
+    ({"modules_to_not_convert": "lm_head"}, "modules_to_not_convert", "must be a list of module names"),
+]
+
+
+@pytest.mark.parametrize("changes, field, text", CONFIG_ERRORS, ids=[f"{e[1]}={e[0][e[1]]!r}" for e in CONFIG_ERRORS])
+def test_quantization_config_errors_name_the_field_value_and_what_is_supported(changes, field, text):
+    raw = _awq_config(**changes)
+    with pytest.raises(models.ModelConfigError) as e:
+        models.parse_config(raw, "m/config.json")
+    msg = str(e.value)
+    assert msg.startswith("m/config.json: quantization_config: field ") and f"'{field}'" in msg and text in msg, msg
+
+
+def test_quantization_config_must_be_an_object():
+    raw = _awq_config()
+    raw["quantization_config"] = "awq"
+    with pytest.raises(models.ModelConfigError, match="field 'quantization_config' must be an object"):
+        models.parse_config(raw, "m/config.json")
+
+
+def test_accepted_config_and_what_it_packs():
+    raw = _awq_config(group_size=-1, version="GEMM", modules_to_not_convert=["mlp.down_proj"])
+    config = models.parse_config(raw)
+    assert config.quantization.group_size == -1
+    shapes = models.tensor_shapes(config)
+    assert shapes["model.layers.0.self_attn.q_proj.qweight"] == (64, 8)
+    assert shapes["model.layers.0.self_attn.q_proj.qzeros"] == (1, 8)
+    assert shapes["model.layers.0.mlp.up_proj.scales"] == (1, 128)
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == (64, 128)  # left unquantised
+    assert "model.layers.0.self_attn.q_proj.weight" not in shapes and "model.embed_tokens.weight" in shapes
+
+
+def test_packed_types_are_checked_by_the_verifier():
+    good = TensorType((32, 64), "float16", Packing("awq_int4", 32))
+    assert [str(t) for t in good.parts()] == ["int32[64, 4]", "int32[2, 4]", "float16[2, 32]"]
+    x = TensorType((3, 64), "float32")
+    with pytest.raises(IRError, match="group 48 does not divide the 64 input rows"):
+        infer_types("linear", [x, TensorType((32, 64), "float16", Packing("awq_int4", 48))], {})
+    with pytest.raises(IRError, match="not a multiple of the 8"):
+        infer_types("linear", [x, TensorType((30, 64), "float16", Packing("awq_int4", 32))], {})
+    with pytest.raises(IRError, match="rms_norm weight cannot be packed"):
+        infer_types("rms_norm", [x, TensorType((64,), "float16", Packing("awq_int4", 32))], {"eps": 1e-6})
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_kernel_matches_numpy(rows, bias):
+    rng = np.random.default_rng(rows)
+    out, inp, group = 64, 256, 64
+    qweight, qzeros, scales = awq_quantize(rng.standard_normal((out, inp)).astype(np.float32) / 16, group)
+    x = rng.standard_normal((rows, inp)).astype(np.float32)
+    b = rng.standard_normal(out).astype(np.float16)
+    types = [TensorType(x.shape, "float32"), TensorType((out, inp), "float16", Packing("awq_int4", group))]
+    types += [TensorType((out,), "float16")] if bias else []
+    target = cpu_target()
+    lib = tvm.compile(schedule(make_kernel("linear", types, {}).func, "linear", {}, target), target.tvm_target())
+    y = tvm.runtime.empty((rows, out), "float32")
+    lib["main"](*[tvm.runtime.tensor(a) for a in (x, qweight, qzeros, scales) + ((b,) if bias else ())], y)
+    want = x @ dequantise(qweight, qzeros, scales).T + (b.astype(np.float32) if bias else 0)
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+CASES = {
+    "qwen2-tied-bias-g32": dict(arch="qwen2", tie_word_embeddings=True, awq_group_size=32),
+    "qwen2-untied-g64-keep-down": dict(arch="qwen2", tie_word_embeddings=False, awq_group_size=64, seed=1,
+                                       modules_to_not_convert=("mlp.down_proj",)),
+    "qwen2-one-group": dict(arch="qwen2", awq_group_size=-1, seed=2),
+    "llama-g128-no-bias": dict(arch="llama", hidden_size=128, intermediate_size=256, awq_group_size=128, seed=3),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def awq_case(request, tiny_factory, tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model_dir, artifact = tiny_factory(dtype="float16", **CASES[request.param])
+    plain = dequantised_checkpoint(model_dir, tmp_path_factory.mktemp("dequantised") / "model")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    return CompiledModel(model_dir, artifact), hf, torch, model_dir, artifact
+
+
+def test_prefill_and_decode_logits_match_transformers_on_the_dequantised_weights(awq_case):
+    ours, hf, torch, _, _ = awq_case
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, ours.config.vocab_size, 24)]
+    cache = ours.new_cache(len(prompt) + 8)
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), use_cache=True)
+        assert_logits_close(ours.forward(prompt, cache), out.logits[0, -1].numpy())
+        past, token = out.past_key_values, int(out.logits[0, -1].argmax())
+        for _ in range(8):
+            out = hf(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+            assert_logits_close(ours.forward([token], cache), out.logits[0, -1].numpy())
+            past, token = out.past_key_values, int(out.logits[0, -1].argmax())
+
+
+def test_greedy_tokens_identical_to_transformers(awq_case):
+    ours, hf, torch, _, _ = awq_case
+    prompt = [int(t) for t in np.random.default_rng(7).integers(0, ours.config.vocab_size, 11)]
+    result = generate(ours, prompt, GreedyGenerationConfig(DECODE_STEPS, eos_token_ids=[]))
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=DECODE_STEPS, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert result.generated_token_ids == want
+
+
+def test_weights_stay_packed_in_memory_and_the_manifest_records_the_quantisation(awq_case):
+    ours, _, _, model_dir, _ = awq_case
+    manifest = ours.manifest
+    config = json.loads((model_dir / "config.json").read_text())["quantization_config"]
+    assert manifest.quantization.method == "awq" and manifest.quantization.bits == 4
+    assert manifest.quantization.group_size == config["group_size"]
+    packed = [p for p in manifest.params if p.packing]
+    assert manifest.quantization.packed_params == len(packed) > 0
+    held = [tuple(a.shape) + (str(a.dtype),) for a in ours._params]
+    for p in packed:  # the runtime holds the packed words, zeros and scales, never an [out, in] float matrix
+        out, inp = p.shape
+        group = inp if config["group_size"] == -1 else config["group_size"]
+        assert p.packing == f"awq_int4(g{group})" and p.transform == "parts"
+        assert (inp, out // 8, "int32") in held and (inp // group, out, "float16") in held
+    floats = {shape[:2] for shape in held if shape[-1] != "int32"}
+    assert not any((p.shape[0], p.shape[1]) in floats for p in packed if p.shape[0] != p.shape[1])
+
+
+def test_loaders_take_their_own_kind_of_checkpoint(awq_case, tiny_factory):
+    ours, _, _, model_dir, artifact = awq_case
+    arch = ours.config.model_type
+    if arch == "qwen2":
+        pipe = load_huggingface_awq_qwen2_pipeline(model_dir, artifact)
+        assert pipe.generate_text("Hello", GreedyGenerationConfig(4)).text is not None
+        with pytest.raises(models.ModelConfigError, match="holds AWQ INT4 weights.*use load_huggingface_awq_qwen2_pipeline"):
+            load_huggingface_qwen2_pipeline(model_dir, artifact)
+    else:
+        with pytest.raises(models.ModelConfigError, match="holds AWQ INT4 weights.*use load_pipeline"):
+            load_huggingface_llama_pipeline(model_dir, artifact)
+        with pytest.raises(models.ModelConfigError, match="model_type is 'llama', not qwen2; use load_pipeline"):
+            load_huggingface_awq_qwen2_pipeline(model_dir, artifact)
+    assert load_pipeline(model_dir, artifact).model.manifest.quantization is not None
+    float_dir, float_artifact = tiny_factory(arch="qwen2")
+    with pytest.raises(models.ModelConfigError, match="holds float weights.*use load_huggingface_qwen2_pipeline"):
+        load_huggingface_awq_qwen2_pipeline(float_dir, float_artifact)
+
+
+def test_packed_tensor_of_the_wrong_dtype_is_a_clear_error(tmp_path):
+    model_dir = write_tiny_checkpoint(tmp_path / "m", dtype="float16", awq_group_size=32)
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.qweight"] = tensors["model.layers.1.mlp.up_proj.qweight"].view(np.float32)
+    save_file(tensors, model_dir / "model.safetensors")
+    with pytest.raises(CheckpointError, match="'model.layers.1.mlp.up_proj.qweight' has dtype F32; supported: I32"):
+        models.load_checkpoint(model_dir)
+
+
+def test_checkpoint_without_packed_tensors_is_a_clear_error(tmp_path):
+    model_dir = write_tiny_checkpoint(tmp_path / "m", dtype="float16")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm",
+                                     "zero_point": True}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="'model.layers.0.self_attn.q_proj.qweight' is missing"):
+        models.load_checkpoint(model_dir)
