@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import io
 import json
-import math
 from pathlib import Path
 
-import numpy as np
-
-from models import checkpoint_tensor_shapes
-from models.tiny import DTYPES, random_weights, save_weights, tiny_config
+from models.checkpoint import scan_checkpoint
+from models.tiny import awq_checkpoint, random_weights, save_weights, tiny_config
 
 SHAPES = {
     "qwen2.5-0.5b": dict(arch="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
@@ -47,6 +44,20 @@ def real_shape_checkpoint(root: str | Path, shape: str, dtype: str) -> Path:
     return out
 
 
+def awq_checkpoint_of(float_dir: Path, group: int = 128) -> Path:
+    """The random float16 checkpoint at `float_dir` quantised to AutoAWQ GEMM INT4 (group `group`) by our packer,
+    written once beside it and reused."""
+    out = float_dir.parent / f"{float_dir.name}-awq-g{group}"
+    if (out / "config.json").is_file():
+        return out
+    config = json.loads((float_dir / "config.json").read_text())
+    config, weights = awq_checkpoint(config, random_weights(config, seed=0), group)
+    out.mkdir(parents=True, exist_ok=True)
+    save_weights(weights, out)
+    (out / "config.json").write_text(json.dumps(config, indent=1))  # written last: marks the checkpoint complete
+    return out
+
+
 def checkpoint_dtype(model_dir: Path) -> str:
     """The weights' dtype that config.json names (`torch_dtype`, or transformers 5's `dtype`)."""
     config = json.loads((model_dir / "config.json").read_text())
@@ -54,13 +65,11 @@ def checkpoint_dtype(model_dir: Path) -> str:
 
 
 def weight_bytes_per_token(model_dir: Path) -> int:
-    """Bytes of weights one decode step reads: every tensor but an untied embedding table (one row of it)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    itemsize = np.dtype(DTYPES[checkpoint_dtype(model_dir)]).itemsize
-    shapes = checkpoint_tensor_shapes(config)
-    if "lm_head.weight" in shapes:
-        shapes.pop("model.embed_tokens.weight")
-    return sum(itemsize * math.prod(shape) for shape in shapes.values())
+    """Bytes of weights one decode step reads, as the checkpoint stores them (packed words, zeros and scales of a
+    quantised one): every tensor but an untied embedding table (one row of it)."""
+    entries = scan_checkpoint(model_dir)
+    tied = "lm_head.weight" not in entries
+    return sum(e.end - e.start for name, e in entries.items() if tied or name != "model.embed_tokens.weight")
 
 
 def add_sentencepiece_tokenizer(model_dir: Path) -> Path:

@@ -2,6 +2,7 @@
 
     python -m benchmarks.cpu_generate --shape qwen2.5-0.5b --dtype bfloat16 --tokens 128 --work DIR
     python -m benchmarks.cpu_generate --shape all --dtype all --work DIR        # every shape in bf16 and f32
+    python -m benchmarks.cpu_generate --shape tinyllama-1.1b --dtype awq --work DIR   # AWQ INT4 beside Q4_0 / Q8_0
 
 --shape and --dtype take a name, a comma-separated list or `all`. For each shape and dtype the run
 makes a random-weight checkpoint in Hugging Face format (benchmarks/checkpoints.py), builds it for
@@ -13,6 +14,11 @@ one after another in this process with the same number of threads (every core it
 - transformers (torch CPU, the checkpoint's dtype);
 - llama.cpp through llama-cpp-python, on the checkpoint converted to GGUF by the converter from
   llama-cpp-python's sdist (F32 for float32; BF16 and F16 for bfloat16; F16 for float16).
+
+`--dtype awq`: the random float16 checkpoint quantised by our AWQ packer (GEMM INT4, group 128) for ours, beside
+transformers in bfloat16 on the float checkpoint and llama.cpp on its Q4_0 and Q8_0 GGUFs (the F16 conversion
+quantised by the same llama.cpp build's llama_model_quantize); the roofline counts the bytes the AWQ checkpoint
+stores (packed words, zeros, f16 scales, the f16 embeddings and lm_head).
 
 Each does one prefill of the N-token prompt (token ids, no tokenizer) and N-1 single-token decode
 steps fed the greedy argmax (no EOS), --runs times; the medians are reported. A peer that is not
@@ -36,11 +42,13 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.checkpoints import SHAPES, checkpoint_dtype, real_shape_checkpoint, weight_bytes_per_token
-from benchmarks.gguf_convert import gguf_file
+from benchmarks.checkpoints import (SHAPES, awq_checkpoint_of, checkpoint_dtype, real_shape_checkpoint,
+                                    weight_bytes_per_token)
+from benchmarks.gguf_convert import QUANT_TYPES, gguf_file, quantized_gguf
 
 DTYPES = ("bfloat16", "float32")
-GGUF_TYPES = {"float32": ("f32",), "bfloat16": ("bf16", "f16"), "float16": ("f16",)}
+GGUF_TYPES = {"float32": ("f32",), "bfloat16": ("bf16", "f16"), "float16": ("f16",), "awq": tuple(QUANT_TYPES)}
+AWQ_GROUP = 128
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -111,7 +119,7 @@ def transformers_peer(model_dir: Path, args, prompt: list[int], threads: int):
     import transformers
 
     torch.set_num_threads(threads)
-    dtype = checkpoint_dtype(model_dir)
+    dtype = args.peer_dtype or checkpoint_dtype(model_dir)  # bfloat16 beside an AWQ checkpoint of float16 weights
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor([prompt])
 
@@ -174,6 +182,8 @@ def gguf_or_error(model_dir: Path, outtype: str, args) -> Path | Exception:
     try:
         import llama_cpp  # noqa: F401  (no point converting for a peer that cannot run)
 
+        if outtype in QUANT_TYPES:
+            return quantized_gguf(model_dir, outtype, Path(args.work), args.llama_cpp_src)
         return gguf_file(model_dir, outtype, Path(args.work), args.llama_cpp_src)
     except Exception as e:  # noqa: BLE001  (reported in the peer's row)
         return e
@@ -181,20 +191,23 @@ def gguf_or_error(model_dir: Path, outtype: str, args) -> Path | Exception:
 
 def benchmark(shape: str, dtype: str, args) -> dict:
     """Every engine's speeds for one shape and dtype, with the bandwidth and decode roofline of the moment."""
-    model_dir = real_shape_checkpoint(args.work, shape, dtype)
+    args.peer_dtype = "bfloat16" if dtype == "awq" else None
+    model_dir = real_shape_checkpoint(args.work, shape, "float16" if dtype == "awq" else dtype)
+    ours_dir = awq_checkpoint_of(model_dir, AWQ_GROUP) if dtype == "awq" else model_dir
     threads = len(os.sched_getaffinity(0))
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, SHAPES[shape]["vocab_size"], args.tokens)]
     load = os.getloadavg()[0]  # other work on the machine skews every column; recorded, not corrected for
     bandwidth = read_bandwidth()
-    weight_bytes = weight_bytes_per_token(model_dir)
-    engines = [measure(ours, model_dir, args, prompt, threads, "ours")]
+    weight_bytes = weight_bytes_per_token(ours_dir)
+    engines = [measure(ours, ours_dir, args, prompt, threads, "ours")]
     if dtype == "bfloat16":
         engines.append(measure(ours_amx, model_dir, args, prompt, threads, "ours (bf16 prefill products on AMX)"))
     engines.append(measure(transformers_peer, model_dir, args, prompt, threads, "transformers"))
     for outtype in GGUF_TYPES[dtype]:
         engines.append(measure(llama_cpp_peer, gguf_or_error(model_dir, outtype, args), args, prompt, threads,
                                f"llama.cpp (GGUF {outtype.upper()})"))
-    return {"model": f"{shape} {dtype} (random weights)", "threads": threads, "tokens": args.tokens, "runs": args.runs,
+    what = f"AWQ INT4 g{AWQ_GROUP}" if dtype == "awq" else dtype
+    return {"model": f"{shape} {what} (random weights)", "threads": threads, "tokens": args.tokens, "runs": args.runs,
             "load_average_1m": round(load, 2), "read_bandwidth_gb_s": round(bandwidth / 1e9, 1),
             "weight_bytes_per_token": weight_bytes,
             "decode_roofline_tokens_per_s": round(bandwidth / weight_bytes, 2), "engines": engines}
@@ -243,7 +256,8 @@ def main() -> None:
     parser.add_argument("--shape", type=lambda v: choices(v, tuple(SHAPES), tuple(SHAPES)), default=["qwen2.5-0.5b"],
                         help=f"{', '.join(sorted(SHAPES))}, a comma-separated list, or all")
     parser.add_argument("--dtype", type=lambda v: choices(v, tuple(GGUF_TYPES), DTYPES), default=["bfloat16"],
-                        help="bfloat16, float32, float16, a comma-separated list, or all (bfloat16 and float32)")
+                        help="bfloat16, float32, float16, awq (AWQ INT4 beside llama.cpp Q4_0 and Q8_0), a "
+                        "comma-separated list, or all (bfloat16 and float32)")
     parser.add_argument("--tokens", type=int, default=128, help="prompt tokens and decode steps (default 128)")
     parser.add_argument("--runs", type=int, default=3, help="runs per engine; medians are reported (default 3)")
     parser.add_argument("--work", required=True, help="directory for checkpoints, artifacts and GGUF files (reused)")

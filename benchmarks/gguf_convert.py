@@ -67,6 +67,28 @@ def gguf_file(model_dir: Path, outtype: str, work: Path, source: str | None) -> 
     return out
 
 
+QUANT_TYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+
+
+def quantized_gguf(model_dir: Path, qtype: str, work: Path, source: str | None) -> Path:
+    """`model_dir` as a GGUF quantised to `qtype` (q4_0, q8_0) by llama.cpp's own quantiser (llama_model_quantize of
+    the llama-cpp-python build that runs it) from the F16 conversion; made once and reused."""
+    import llama_cpp
+
+    out = work / f"{model_dir.name}.{qtype}.gguf"
+    if out.is_file():
+        return out
+    base = gguf_file(model_dir, "f16", work, source)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, QUANT_TYPES[qtype])
+    partial = out.with_suffix(".part")
+    if llama_cpp.llama_model_quantize(str(base).encode(), str(partial).encode(), params) != 0:
+        partial.unlink(missing_ok=True)
+        raise ConversionError(f"llama_model_quantize to {qtype} failed")
+    partial.rename(out)
+    return out
+
+
 def _last_line(text: str) -> str:
     """The last non-empty line of `text` (a traceback's error)."""
     lines = [line for line in text.splitlines() if line.strip()]

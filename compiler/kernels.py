@@ -75,6 +75,9 @@ def linear(types, attrs) -> Kernel:
     x, *bias = _placeholders([x_type, *bias_type], ["x", "bias"])
     w_parts = [te.placeholder(t.shape, t.dtype, name=n) for t, n in zip(w_type.parts(), PART_NAMES[w_type.packing and w_type.packing.kind])]
     weight = _unpacked(w_type.packing, w_parts)
+    if w_type.packing is not None:  # a stage of its own, so a schedule can unpack a tile for many rows (or inline it)
+        unpacked = te.compute(w_type.shape, weight, name=stages.DEQUANT)
+        weight = lambda j, k: unpacked[j, k]  # noqa: E731
     k = te.reduce_axis((0, x.shape[1]), "k")
     y = te.compute((x.shape[0], w_type.shape[0]), lambda i, j: te.sum(x[i, k] * weight(j, k), axis=k),
                    name=stages.MATMUL)
@@ -92,14 +95,14 @@ def _unpacked(packing: Packing | None, parts: list):
     if packing is None:
         return lambda j, k: _f32(parts[0][j, k])
     qweight, qzeros, scales = parts
-    group = packing.group
+    group, tile = packing.group, int(qweight.shape[2])
 
     def nibble(word, j):  # column j of a word lies in nibble slot AWQ_SLOT[j % 8]: (j % 2) * 4 + (j % 8) // 2
         shift = ((j % 2) * 4 + (j % AWQ_PACK) // 2) * 4
         return tirx.bitwise_and(tirx.shift_right(word, shift), 15)
 
-    return lambda j, k: (nibble(qweight[k, j // AWQ_PACK], j) - nibble(qzeros[k // group, j // AWQ_PACK], j)).astype(
-        F32) * _f32(scales[k // group, j])
+    return lambda j, k: (nibble(qweight[j // AWQ_PACK // tile, k, j // AWQ_PACK % tile], j)
+                         - nibble(qzeros[k // group, j // AWQ_PACK], j)).astype(F32) * _f32(scales[k // group, j])
 
 
 def rope(types, attrs) -> Kernel:

@@ -93,7 +93,7 @@ class TensorType:
 # How a param is made from its checkpoint tensors (the weight map); the runtime's loader implements each.
 WEIGHT_TRANSFORMS = {
     "copy": "the one source tensor as the checkpoint stores it",
-    "parts": "each source tensor as the checkpoint stores it: the parts of a packed type, in order",
+    "awq_tiles": "AWQ qweight, qzeros, scales as stored, qweight regrouped into column tiles (ir.packing)",
 }
 
 

@@ -59,14 +59,15 @@ def verify(program: Program) -> Program:
     """Raise IRError if any param's weight-map entry or any entry of `program` is ill-formed; returns the program."""
     for param in program.params.values():
         parts = len(param.type.parts())
-        if param.transform not in WEIGHT_TRANSFORMS or len(param.source_tensors) != parts or \
-                (param.transform == "copy") != (param.type.packing is None):
-            raise IRError(f"{program.model_type}: param {param.name!r} of type {param.type} has transform "
-                          f"{param.transform!r} of {list(param.source_tensors)}; transforms: "
-                          f"{', '.join(WEIGHT_TRANSFORMS)} (copy: one source; parts: one per part of a packed type)")
-        if param.type.packing is not None and param.type.packing.problem(param.type.shape):
+        packing = param.type.packing
+        if packing is not None and packing.problem(param.type.shape):
             raise IRError(f"{program.model_type}: param {param.name!r} of type {param.type}: "
-                          f"{param.type.packing.problem(param.type.shape)}")
+                          f"{packing.problem(param.type.shape)}")
+        want = packing.transform if packing else "copy"
+        if param.transform not in WEIGHT_TRANSFORMS or param.transform != want or len(param.source_tensors) != parts:
+            raise IRError(f"{program.model_type}: param {param.name!r} of type {param.type} has transform "
+                          f"{param.transform!r} of {list(param.source_tensors)}; its type needs {want!r} of "
+                          f"{parts} source tensors")
     for graph in program.entries.values():
         verify_graph(graph, program)
     return program

@@ -94,7 +94,7 @@ def stored_shapes(shapes: Mapping[str, tuple[int, ...]], quant: AwqQuantization 
             out[name] = shape
             continue
         module = name.removesuffix(".weight")
-        for part, (part_shape, _) in zip(AWQ_PARTS, quant.packing(shape[1]).parts(shape, "float16")):
+        for part, (part_shape, _) in zip(AWQ_PARTS, quant.packing(shape[1]).checkpoint_parts(shape, "float16")):
             out[f"{module}.{part}"] = part_shape
     return out
 
@@ -116,6 +116,7 @@ def make_params(shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str]
             continue
         module = name.removesuffix(".weight")
         sources = tuple(f"{module}.{part}" for part in AWQ_PARTS)
-        params[name] = Param(name, TensorType(shape, dtypes.get(sources[2], default), quant.packing(shape[1])),
-                             sources, "parts")
+        packing = quant.packing(shape[1])
+        params[name] = Param(name, TensorType(shape, dtypes.get(sources[2], default), packing), sources,
+                             packing.transform)
     return params

@@ -17,6 +17,7 @@ import tvm
 
 from ir.contract import ParamSpec
 from ir.errors import RudaWarning
+from ir.packing import awq_tile_words
 from models.checkpoint import CheckpointError, TensorEntry
 
 NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I32": np.int32}
@@ -39,9 +40,16 @@ def nonfinite_count(array: np.ndarray, dtype: str) -> int:
                for i in range(0, flat.size, _CHUNK))
 
 
+def awq_tiles(qweight: np.ndarray) -> np.ndarray:
+    """AWQ qweight [in, words] regrouped into column tiles [words / tile, in, tile] (ir.packing)."""
+    rows, words = qweight.shape
+    tile = awq_tile_words(words)
+    return np.ascontiguousarray(qweight.reshape(rows, words // tile, tile).transpose(1, 0, 2))
+
+
 TRANSFORMS = {
     "copy": lambda arrays: arrays[:1],
-    "parts": lambda arrays: arrays,
+    "awq_tiles": lambda arrays: [awq_tiles(arrays[0]), *arrays[1:]],
 }
 """The weight map's transforms (ir.graph.WEIGHT_TRANSFORMS): source arrays -> the arrays the param is passed as."""
 

@@ -14,6 +14,7 @@ from tvm.script import tirx as T
 from . import stages
 from .amx import amx_gemm
 from .cpu_attention import paged_attention
+from .cpu_awq import awq_linear
 from .loops import split_loops, static_extent
 from .vector_math import vector_math
 from .written import linear_func, packed_weight
@@ -68,13 +69,14 @@ def _delta_rule(sch: s_tir.Schedule, lanes: int) -> None:
 
 def _linear(sch: s_tir.Schedule, lanes: int) -> None:
     """Matrix products: a GEMM schedule when the rows fill whole SIMD vectors (prefill), else a GEMV one."""
-    if packed_weight(sch.mod["main"]):
-        _generic(sch, lanes)
-        return
     block = stages.only_reduction(sch)
     rows = static_extent(sch, sch.get_loops(block)[0])
+    unpack = stages.find(sch, stages.DEQUANT)  # a packed weight: unpacked a tile at a time by the GEMM, else inlined
     if rows % lanes == 0:
         _gemm(sch, block, lanes)
+    elif unpack is not None:
+        sch.compute_inline(unpack)
+        _generic(sch, lanes)
     else:
         _gemv(sch, block, lanes)
 
@@ -227,7 +229,10 @@ def _gemm(sch: s_tir.Schedule, block, lanes: int) -> None:
     for consumer in sch.get_consumers(out):
         sch.reverse_compute_at(consumer, j_task)
     _transposed_activations(sch, block, tile_rows, lanes)
-    if sch.get(block).reads[1].source.dtype == "bfloat16":
+    unpack = stages.find(sch, stages.DEQUANT)
+    if unpack is not None:
+        _unpacked_weights(sch, unpack, k_block, lanes)
+    elif sch.get(block).reads[1].source.dtype == "bfloat16":
         _widened_weights(sch, block, k_block, lanes)
     sch.decompose_reduction(block, k_block)
 
@@ -253,6 +258,16 @@ def _widened_weights(sch: s_tir.Schedule, block, k_block, lanes: int) -> None:
     sch.compute_at(copy, k_block)
     sch.unsafe_set_dtype(copy, 0, "float32")
     sch.vectorize(sch.split(sch.get_loops(copy)[-1], [None, lanes])[1])
+
+
+def _unpacked_weights(sch: s_tir.Schedule, unpack, k_block, lanes: int) -> None:
+    """Unpack a task's packed weights (ir.packing) to float32 once per depth block, for every row to reuse: a
+    vector of consecutive columns at a time (a word's columns share its load)."""
+    sch.transform_layout(unpack, ("write", 0), lambda col, depth: (depth, col))  # columns contiguous: vector stores
+    sch.compute_at(unpack, k_block)
+    col, depth = sch.get_loops(unpack)[-2:]
+    sch.reorder(depth, col)
+    sch.vectorize(sch.split(col, [None, lanes])[1])
 
 
 def _norm(sch: s_tir.Schedule, lanes: int) -> None:
@@ -331,7 +346,8 @@ SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "paged
 def _written(func: tirx.PrimFunc, kind: str, lanes: int, amx: bool, attrs: dict | None) -> tirx.PrimFunc | None:
     """A hand-written kernel for this op and shape, or None when schedule primitives handle it."""
     if kind == "linear" and packed_weight(func):
-        return None
+        rows = int(func.params[0].shape[0])
+        return None if rows > GEMV_MAX_ROWS and rows % lanes == 0 else awq_linear(func, lanes)
     if kind == "linear":
         gemm = amx_gemm(func) if amx else None
         return gemm if gemm is not None else _rows_gemv(func, lanes)

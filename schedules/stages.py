@@ -11,6 +11,7 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 
 MATMUL = "matmul"  # linear: the product's reduction
+DEQUANT = "dequantise"  # linear of a packed weight: the weight unpacked (a tile at a time, or inlined into the product)
 NORM = "rms_norm"  # rms_norm / add_rms_norm: the normalised output (its producers: sum of squares, residual sum)
 SCORES, MASKED, ROW_MAX, EXP, ROW_SUM, WEIGHTED, ATTENTION = (
     "scores", "masked", "row_max", "exp", "row_sum", "weighted", "attention")  # attention's softmax pipeline

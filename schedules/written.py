@@ -26,6 +26,28 @@ def linear_func(func: tirx.PrimFunc, products) -> tirx.PrimFunc:
     return linear_bias
 
 
+def packed_linear_func(func: tirx.PrimFunc, products) -> tirx.PrimFunc:
+    """As `linear_func`, for a `linear` kernel with a packed weight (x, qweight, qzeros, scales, optional bias, y):
+    the body is `products(x, qweight, qzeros, scales, y, first)`."""
+    x_buf, q_buf, z_buf, s_buf, *rest = func.params
+    (m, k), n = (int(d) for d in x_buf.shape), int(s_buf.shape[1])
+    q_shape, z_shape, s_shape, s_dtype = tuple(q_buf.shape), tuple(z_buf.shape), tuple(s_buf.shape), s_buf.dtype
+    if not rest[:-1]:
+        @T.prim_func(check_well_formed=False)
+        def linear(x: T.Buffer((m, k), "float32"), qw: T.Buffer(q_shape, "int32"), qz: T.Buffer(z_shape, "int32"),
+                   sc: T.Buffer(s_shape, s_dtype), y: T.Buffer((m, n), "float32")):
+            products(x, qw, qz, sc, y, lambda j: T.float32(0))
+        return linear
+
+    bias_dtype = rest[0].dtype
+
+    @T.prim_func(check_well_formed=False)
+    def linear_bias(x: T.Buffer((m, k), "float32"), qw: T.Buffer(q_shape, "int32"), qz: T.Buffer(z_shape, "int32"),
+                    sc: T.Buffer(s_shape, s_dtype), b: T.Buffer((n,), bias_dtype), y: T.Buffer((m, n), "float32")):
+        products(x, qw, qz, sc, y, lambda j: T.Cast("float32", b[j]))
+    return linear_bias
+
+
 def packed_weight(func: tirx.PrimFunc) -> bool:
     """Whether a `linear` kernel takes its weight packed (ir.packing: int32 words, zeros and scales)."""
     return func.params[1].dtype == "int32"

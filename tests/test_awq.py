@@ -23,6 +23,7 @@ from models.checkpoint import CheckpointError
 from models.tiny import awq_pack, awq_quantize, tiny_config, write_tiny_checkpoint
 from runtime import (CompiledModel, GreedyGenerationConfig, generate, load_huggingface_awq_qwen2_pipeline,
                      load_huggingface_llama_pipeline, load_huggingface_qwen2_pipeline, load_pipeline)
+from runtime.weights import TRANSFORMS
 from schedules.cpu import schedule
 from test_models_vs_transformers import DECODE_STEPS, assert_logits_close
 
@@ -137,7 +138,9 @@ def test_accepted_config_and_what_it_packs():
 
 def test_packed_types_are_checked_by_the_verifier():
     good = TensorType((32, 64), "float16", Packing("awq_int4", 32))
-    assert [str(t) for t in good.parts()] == ["int32[64, 4]", "int32[2, 4]", "float16[2, 32]"]
+    assert [str(t) for t in good.parts()] == ["int32[1, 64, 4]", "int32[2, 4]", "float16[2, 32]"]  # 4-word tiles
+    wide = TensorType((1024, 64), "float16", Packing("awq_int4", 32))
+    assert str(wide.parts()[0]) == "int32[8, 64, 16]"  # 128 words a row: tiles of a 64-byte line
     x = TensorType((3, 64), "float32")
     with pytest.raises(IRError, match="group 48 does not divide the 64 input rows"):
         infer_types("linear", [x, TensorType((32, 64), "float16", Packing("awq_int4", 48))], {})
@@ -149,9 +152,10 @@ def test_packed_types_are_checked_by_the_verifier():
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 32])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_kernel_matches_numpy(rows, bias):
+@pytest.mark.parametrize("out", [64, 384])  # 8 and 48 words a row: one tile of 8 words; three of 16
+def test_packed_linear_kernel_matches_numpy(rows, bias, out):
     rng = np.random.default_rng(rows)
-    out, inp, group = 64, 256, 64
+    inp, group = 256, 64
     qweight, qzeros, scales = awq_quantize(rng.standard_normal((out, inp)).astype(np.float32) / 16, group)
     x = rng.standard_normal((rows, inp)).astype(np.float32)
     b = rng.standard_normal(out).astype(np.float16)
@@ -160,7 +164,8 @@ def test_packed_linear_kernel_matches_numpy(rows, bias):
     target = cpu_target()
     lib = tvm.compile(schedule(make_kernel("linear", types, {}).func, "linear", {}, target), target.tvm_target())
     y = tvm.runtime.empty((rows, out), "float32")
-    lib["main"](*[tvm.runtime.tensor(a) for a in (x, qweight, qzeros, scales) + ((b,) if bias else ())], y)
+    parts = TRANSFORMS["awq_tiles"]([qweight, qzeros, scales])
+    lib["main"](*[tvm.runtime.tensor(a) for a in (x, *parts) + ((b,) if bias else ())], y)
     want = x @ dequantise(qweight, qzeros, scales).T + (b.astype(np.float32) if bias else 0)
     np.testing.assert_allclose(y.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
@@ -220,8 +225,9 @@ def test_weights_stay_packed_in_memory_and_the_manifest_records_the_quantisation
     for p in packed:  # the runtime holds the packed words, zeros and scales, never an [out, in] float matrix
         out, inp = p.shape
         group = inp if config["group_size"] == -1 else config["group_size"]
-        assert p.packing == f"awq_int4(g{group})" and p.transform == "parts"
-        assert (inp, out // 8, "int32") in held and (inp // group, out, "float16") in held
+        tile = next(t for t in (16, 8, 4, 2, 1) if out // 8 % t == 0)
+        assert p.packing == f"awq_int4(g{group})" and p.transform == "awq_tiles"
+        assert (out // 8 // tile, inp, tile, "int32") in held and (inp // group, out, "float16") in held
     floats = {shape[:2] for shape in held if shape[-1] != "int32"}
     assert not any((p.shape[0], p.shape[1]) in floats for p in packed if p.shape[0] != p.shape[1])
 
