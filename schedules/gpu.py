@@ -1,5 +1,6 @@
 """GPU schedules: elementwise work one element per thread; reductions over long rows split across threads
-(partial sums through shared memory); prefill GEMMs tiled through shared memory.
+(partial sums through shared memory); prefill GEMMs tiled through shared memory. A packed (ir.packing) weight is
+unpacked in registers by decode GEMVs and into the shared-memory weight tiles by prefill GEMMs, never in global memory.
 
 Threads communicate only through shared memory and block barriers, never warp shuffles or
 warp-synchronous code: TVM's NVPTX backend (the default direct-PTX path) cannot emit those, and
@@ -8,7 +9,11 @@ one schedule for all three CUDA paths keeps them identical.
 
 from __future__ import annotations
 
+from math import gcd
+
 from tvm import s_tir, tirx
+
+from ir.packing import AWQ_PACK
 
 from . import stages
 from .loops import split_loops, static_extent
@@ -23,6 +28,10 @@ LOAD_BYTES = 16  # one vector load per thread per step (ld.global.v4)
 # Prefill GEMM: a thread block computes TILE x TILE outputs, each thread MICRO x MICRO of them in
 # registers, stepping through the depth DEPTH_STEP at a time via shared memory.
 TILE, MICRO, DEPTH_STEP = 64, 4, 16
+# Packed decode GEMV: a thread block covers DECODE_WORDS packed words of a weight row (one 32-byte sector), a thread
+# keeps up to DECODE_ROWS rows of its word's columns in registers, and up to WARP threads split each column's depth
+# (the block's partial sums, at most WARP x DECODE_ROWS x 8 x DECODE_WORDS floats, take 32 KiB of shared memory).
+DECODE_WORDS, DECODE_ROWS = 8, 4
 
 
 def _bind_spatial(sch: s_tir.Schedule, loops: list) -> None:
@@ -95,24 +104,72 @@ def _generic(sch: s_tir.Schedule) -> None:
 
 
 def _linear(sch: s_tir.Schedule) -> None:
-    """Decode GEMV: each dot product split over a warp of vector loads; prefill: a shared-memory tiled GEMM."""
+    """Decode GEMV: each dot product split over threads (a packed weight unpacked in registers); prefill: a
+    shared-memory tiled GEMM."""
     block = stages.only_reduction(sch)
+    dequant = stages.find(sch, stages.DEQUANT)  # a packed weight's unpacking stage
     i, j, k = sch.get_loops(block)
     rows, cols, depth = static_extent(sch, i), static_extent(sch, j), static_extent(sch, k)
-    vector = LOAD_BYTES // (2 if sch.get(block).reads[1].source.dtype in ("bfloat16", "float16") else 4)
     consumers = sch.get_consumers(block)  # the bias add, if any
-    if rows >= 16 and rows % MICRO == 0 and cols % TILE == 0 and depth % DEPTH_STEP == 0:
-        _gemm(sch, block)
-    elif not _split_reduction(sch, block, vector):
+    if rows % 16 == 0 and cols % TILE == 0 and depth % DEPTH_STEP == 0:  # 16: `_gemm`'s smallest row tile
+        _gemm(sch, block, dequant)
+    elif dequant is not None:
+        _packed_gemv(sch, block, dequant)
+    elif not _split_reduction(sch, block, LOAD_BYTES // sch.get(block).reads[1].source.dtype.itemsize):
         _thread_per_output(sch, block)
     for consumer in consumers:
         _bind_spatial(sch, sch.get_loops(consumer))
 
 
-def _gemm(sch: s_tir.Schedule, block) -> None:
+def _packed_gemv(sch: s_tir.Schedule, block, dequant) -> None:
+    """Decode GEMV of a packed weight: a thread takes one packed word's AWQ_PACK columns for a few rows, unpacks the
+    word in registers once per depth step and keeps its sums in registers. A thread block's words are neighbouring
+    ones (a warp reads whole 32-byte sectors of qweight), and its WARP (or fewer) lanes split the depth into chunks
+    that each lie in one group (a chunk's zero points and scales are read once); partial sums meet in shared memory."""
+    i, j, k = sch.get_loops(block)
+    rows, words, depth = static_extent(sch, i), static_extent(sch, j) // AWQ_PACK, static_extent(sch, k)
+    group = depth // int(sch.mod["main"].params[2].shape[0])  # qzeros: a row per group
+    row_tile = next(r for r in range(DECODE_ROWS, 0, -1) if rows % r == 0)
+    word_tile = next(w for w in (DECODE_WORDS, 4, 2, 1) if words % w == 0)
+    lanes = next(n for n in (WARP, 16, 8, 4, 2, 1) if depth % n == 0)
+    chunk = gcd(group, depth // lanes)  # depth index (step * lanes + lane) * chunk + offset
+    sch.split(i, [None, row_tile])
+    sch.split(j, [None, word_tile, AWQ_PACK])
+    sch.split(k, [None, lanes, chunk])
+    partial = sch.rfactor(sch.get_loops(block)[-2], factor_axis=0)  # partial[lane, i, j]
+    i_block, i_row, j_block, j_word, j_column, step, lane, offset = sch.get_loops(partial)
+    sch.reorder(i_block, j_block, lane, j_word, step, offset, i_row, j_column)
+    sch.bind(i_block, "blockIdx.y")
+    sch.bind(j_block, "blockIdx.x")
+    sch.compute_at(dequant, offset, preserve_unit_loops=True)
+    sch.set_scope(dequant, 0, "local")
+    chunk_constants = [sch.cache_read(dequant, index, "local") for index in (1, 2)]  # the zero-point word, scales
+    for stage in chunk_constants:
+        sch.compute_at(stage, step, preserve_unit_loops=True)
+    sch.bind(lane, "threadIdx.y")  # not fused with the word: buffer compaction still sees a chunk's one group
+    sch.bind(j_word, "threadIdx.x")
+    sch.set_scope(partial, 0, "shared")
+    sch.reverse_compute_at(sch.cache_write(partial, 0, "local"), j_word)
+    for stage in (dequant, *chunk_constants):
+        for loop in sch.get_loops(stage)[-2:]:  # the loops compute_at made: over a word's columns, one group or row
+            sch.unroll(loop)
+    sch.unroll(i_row)
+    sch.unroll(j_column)
+    sch.decompose_reduction(partial, step)
+    sch.reverse_compute_at(block, j_block)
+    final_lane, *outputs = sch.get_loops(block)[2:]  # loops in block-iter order: the partials' lane first
+    final = sch.fuse(*outputs)
+    sch.reorder(final, final_lane)
+    _, ty, tx = sch.split(final, [None, lanes, word_tile])
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+
+
+def _gemm(sch: s_tir.Schedule, block, dequant=None) -> None:
     """Shared-memory tiled GEMM: per depth step, all threads of a block copy its rows of x and columns of w (in
     their own dtype, depth-major so neighbouring threads read nearby banks) to shared memory, then each
-    thread accumulates a MICRO x MICRO patch of outputs in registers."""
+    thread accumulates a MICRO x MICRO patch of outputs in registers. A packed weight is unpacked (to f32) as its
+    tile is copied, neighbouring threads taking neighbouring columns (the packed words' order)."""
     i, j, k = sch.get_loops(block)
     rows = static_extent(sch, i)
     tile_rows = next(t for t in (TILE, 32, 16) if rows % t == 0)
@@ -126,10 +183,14 @@ def _gemm(sch: s_tir.Schedule, block) -> None:
     sch.bind(j_thread, "threadIdx.x")
     register = sch.cache_write(block, 0, "local")
     sch.reverse_compute_at(register, j_thread)
-    for index in (0, 1):
-        tile = sch.cache_read(block, index, "shared")
+    tiles = [sch.cache_read(block, index, "shared") for index in (0, 1)]
+    if dequant is not None:
+        sch.compute_inline(dequant)  # the w tile unpacks the packed weight as it copies it
+    for tile in tiles:
         sch.compute_at(tile, k_step)
         sch.transform_layout(tile, ("write", 0), lambda r, d: (d, r))
+        if tile is tiles[1] and dequant is not None:  # packed words lie along the columns: threads take columns
+            sch.reorder(*reversed(sch.get_loops(tile)[-2:]))
         fused = sch.fuse(*sch.get_loops(tile)[-2:])
         _, ty, tx = sch.split(fused, [None, tile_rows // MICRO, TILE // MICRO])
         sch.bind(ty, "threadIdx.y")
