@@ -21,11 +21,10 @@ from compiler.target import cpu_target
 from ir import IRError, Packing, TensorType, infer_types
 from models.checkpoint import CheckpointError
 from models.tiny import awq_pack, awq_quantize, tiny_config, write_tiny_checkpoint
-from runtime import (CompiledModel, GreedyGenerationConfig, generate, load_huggingface_awq_qwen2_pipeline,
+from runtime import (CompiledModel, GreedyGenerationConfig, load_huggingface_awq_qwen2_pipeline,
                      load_huggingface_llama_pipeline, load_huggingface_qwen2_pipeline, load_pipeline)
 from runtime.weights import TRANSFORMS
 from schedules.cpu import schedule
-from test_models_vs_transformers import DECODE_STEPS, assert_logits_close
 
 DOCUMENTED_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
@@ -186,35 +185,24 @@ def awq_case(request, tiny_factory, tmp_path_factory):
     model_dir, artifact = tiny_factory(dtype="float16", **CASES[request.param])
     plain = dequantised_checkpoint(model_dir, tmp_path_factory.mktemp("dequantised") / "model")
     hf = transformers.AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
-    return CompiledModel(model_dir, artifact), hf, torch, model_dir, artifact
+    return CompiledModel(model_dir, artifact), hf, model_dir, artifact
 
 
 def test_prefill_and_decode_logits_match_transformers_on_the_dequantised_weights(awq_case):
-    ours, hf, torch, _, _ = awq_case
-    prompt = [int(t) for t in np.random.default_rng(5).integers(0, ours.config.vocab_size, 24)]
-    cache = ours.new_cache(len(prompt) + 8)
-    with torch.no_grad():
-        out = hf(torch.tensor([prompt]), use_cache=True)
-        assert_logits_close(ours.forward(prompt, cache), out.logits[0, -1].numpy())
-        past, token = out.past_key_values, int(out.logits[0, -1].argmax())
-        for _ in range(8):
-            out = hf(torch.tensor([[token]]), past_key_values=past, use_cache=True)
-            assert_logits_close(ours.forward([token], cache), out.logits[0, -1].numpy())
-            past, token = out.past_key_values, int(out.logits[0, -1].argmax())
+    from test_models_vs_transformers import assert_steps_match  # needs torch, as the fixture does
+    ours, hf, _, _ = awq_case
+    assert_steps_match(ours, hf, [int(t) for t in np.random.default_rng(5).integers(0, ours.config.vocab_size, 24)], 8)
 
 
 def test_greedy_tokens_identical_to_transformers(awq_case):
-    ours, hf, torch, _, _ = awq_case
-    prompt = [int(t) for t in np.random.default_rng(7).integers(0, ours.config.vocab_size, 11)]
-    result = generate(ours, prompt, GreedyGenerationConfig(DECODE_STEPS, eos_token_ids=[]))
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=DECODE_STEPS, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    assert result.generated_token_ids == want
+    from test_models_vs_transformers import DECODE_STEPS, assert_greedy_matches
+    ours, hf, _, _ = awq_case
+    assert_greedy_matches(ours, hf, [int(t) for t in np.random.default_rng(7).integers(0, ours.config.vocab_size, 11)],
+                          DECODE_STEPS)
 
 
 def test_weights_stay_packed_in_memory_and_the_manifest_records_the_quantisation(awq_case):
-    ours, _, _, model_dir, _ = awq_case
+    ours, _, model_dir, _ = awq_case
     manifest = ours.manifest
     config = json.loads((model_dir / "config.json").read_text())["quantization_config"]
     assert manifest.quantization.method == "awq" and manifest.quantization.bits == 4
@@ -233,7 +221,7 @@ def test_weights_stay_packed_in_memory_and_the_manifest_records_the_quantisation
 
 
 def test_loaders_take_their_own_kind_of_checkpoint(awq_case, tiny_factory):
-    ours, _, _, model_dir, artifact = awq_case
+    ours, _, model_dir, artifact = awq_case
     arch = ours.config.model_type
     if arch == "qwen2":
         pipe = load_huggingface_awq_qwen2_pipeline(model_dir, artifact)

@@ -34,6 +34,31 @@ def assert_logits_close(ours: np.ndarray, theirs: np.ndarray) -> None:
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=tol)
 
 
+def assert_steps_match(ours, hf, prompt: list[int], steps: int):
+    """The prompt's last logits and those of `steps` greedy decode steps (transformers' argmax fed to both) match;
+    returns our cache."""
+    cache = ours.new_cache(len(prompt) + steps + 1)
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), use_cache=True)
+        assert_logits_close(ours.forward(prompt, cache), out.logits[0, -1].numpy())
+        past, token = out.past_key_values, int(out.logits[0, -1].argmax())
+        for _ in range(steps):
+            out = hf(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+            assert_logits_close(ours.forward([token], cache), out.logits[0, -1].numpy())
+            past, token = out.past_key_values, int(out.logits[0, -1].argmax())
+    return cache
+
+
+def assert_greedy_matches(ours, hf, prompt: list[int], steps: int):
+    """`steps` greedy tokens without EOS are transformers' generate()'s; returns our result."""
+    result = generate(ours, prompt, GreedyGenerationConfig(steps, eos_token_ids=[]))
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert result.generated_token_ids == want
+    return result
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tiny_factory):
     model_dir, artifact = tiny_factory(**CASES[request.param])
@@ -45,27 +70,14 @@ def case(request, tiny_factory):
 def test_prefill_and_every_decode_step_match(case, prompt_len):
     ours, hf = case
     prompt = [int(t) for t in np.random.default_rng(prompt_len).integers(0, ours.config.vocab_size, prompt_len)]
-    cache = ours.new_cache(prompt_len + DECODE_STEPS)
-    with torch.no_grad():
-        out = hf(torch.tensor([prompt]), use_cache=True)
-        assert_logits_close(ours.forward(prompt, cache), out.logits[0, -1].numpy())
-        past, token = out.past_key_values, int(out.logits[0, -1].argmax())
-        for _ in range(DECODE_STEPS - 1):
-            out = hf(torch.tensor([[token]]), past_key_values=past, use_cache=True)
-            assert_logits_close(ours.forward([token], cache), out.logits[0, -1].numpy())
-            past, token = out.past_key_values, int(out.logits[0, -1].argmax())
+    cache = assert_steps_match(ours, hf, prompt, DECODE_STEPS - 1)
     assert cache.length == prompt_len + DECODE_STEPS - 1
 
 
 def test_32_greedy_tokens_identical(case):
     ours, hf = case
     prompt = [int(t) for t in np.random.default_rng(7).integers(0, ours.config.vocab_size, 11)]
-    result = generate(ours, prompt, GreedyGenerationConfig(DECODE_STEPS, eos_token_ids=[]))
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=DECODE_STEPS, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    assert result.generated_token_ids == want
-    assert not result.stopped_on_eos
+    assert not assert_greedy_matches(ours, hf, prompt, DECODE_STEPS).stopped_on_eos
 
 
 def test_greedy_stops_on_eos_and_keeps_it(case):

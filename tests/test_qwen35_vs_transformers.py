@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from runtime import CompiledModel, GreedyGenerationConfig, generate
+from runtime import CompiledModel
+from test_models_vs_transformers import assert_greedy_matches
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -87,8 +88,4 @@ def test_prompt_fed_in_pieces_equals_prompt_at_once(case):
 def test_16_greedy_tokens_identical(case):
     ours, hf = case
     prompt = [int(t) for t in np.random.default_rng(7).integers(0, ours.config.vocab_size, 11)]
-    result = generate(ours, prompt, GreedyGenerationConfig(DECODE_STEPS, eos_token_ids=[]))
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=DECODE_STEPS, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    assert result.generated_token_ids == want
+    assert_greedy_matches(ours, hf, prompt, DECODE_STEPS)
