@@ -604,7 +604,7 @@ def test_weight_map_transforms_are_checked_and_implemented():
     name = next(iter(program.params))
     assert program.params[name].source_tensors == (name,)  # float checkpoints: each param is its own tensor
     for changed, match in [({"transform": "dequantise"}, "transform 'dequantise'"),
-                           ({"sources": ("a", "b")}, "copy: one source")]:
+                           ({"sources": ("a", "b")}, "needs .copy. of 1 source")]:
         bad = replace(program, params={**program.params, name: replace(program.params[name], **changed)})
         with pytest.raises(IRError, match=match):
             verify(bad)
