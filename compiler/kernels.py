@@ -15,7 +15,7 @@ from tvm import te, tirx
 from tvm.script import tirx as T
 
 from ir import TensorType
-from ir.packing import AWQ_PACK, Packing
+from ir.packing import AWQ_PACK, Packing, awq_slot
 from schedules import stages
 
 F32 = "float32"
@@ -73,7 +73,8 @@ def linear(types, attrs) -> Kernel:
     """x @ W.T (+ bias) of a float or packed (ir.packing) weight W [out, in]; a packed one takes its parts."""
     x_type, w_type, *bias_type = types
     x, *bias = _placeholders([x_type, *bias_type], ["x", "bias"])
-    w_parts = [te.placeholder(t.shape, t.dtype, name=n) for t, n in zip(w_type.parts(), PART_NAMES[w_type.packing and w_type.packing.kind])]
+    names = PART_NAMES[w_type.packing and w_type.packing.kind]
+    w_parts = [te.placeholder(t.shape, t.dtype, name=n) for t, n in zip(w_type.parts(), names)]
     weight = _unpacked(w_type.packing, w_parts)
     if w_type.packing is not None:  # a stage of its own, so a schedule can unpack a tile for many rows (or inline it)
         unpacked = te.compute(w_type.shape, weight, name=stages.DEQUANT)
@@ -97,9 +98,8 @@ def _unpacked(packing: Packing | None, parts: list):
     qweight, qzeros, scales = parts
     group, tile = packing.group, int(qweight.shape[2])
 
-    def nibble(word, j):  # column j of a word lies in nibble slot AWQ_SLOT[j % 8]: (j % 2) * 4 + (j % 8) // 2
-        shift = ((j % 2) * 4 + (j % AWQ_PACK) // 2) * 4
-        return tirx.bitwise_and(tirx.shift_right(word, shift), 15)
+    def nibble(word, j):  # column j lies in nibble slot awq_slot(j % 8) of its word
+        return tirx.bitwise_and(tirx.shift_right(word, awq_slot(j % AWQ_PACK) * 4), 15)
 
     return lambda j, k: (nibble(qweight[j // AWQ_PACK // tile, k, j // AWQ_PACK % tile], j)
                          - nibble(qzeros[k // group, j // AWQ_PACK], j)).astype(F32) * _f32(scales[k // group, j])

@@ -19,8 +19,20 @@ from dataclasses import dataclass
 PACKINGS = {"awq_int4": "awq_tiles"}  # packing kind -> the weight-map transform (ir.graph.WEIGHT_TRANSFORMS) that makes it
 AWQ_PACK = 8  # 4-bit values per int32 word
 AWQ_TILE_WORDS = 16  # words of qweight per column tile: a 64-byte cache line
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble slot i of a word holds column 8 * word + AWQ_ORDER[i]
-AWQ_SLOT = tuple(AWQ_ORDER.index(c) for c in range(AWQ_PACK))  # column 8 * word + c lies in nibble slot AWQ_SLOT[c]
+
+
+def awq_column(slot):
+    """The column within its word (0..7) that nibble `slot` holds: AWQ_ORDER[slot], as arithmetic that also serves
+    on TensorIR expressions."""
+    return slot % 4 * 2 + slot // 4
+
+
+def awq_slot(column):
+    """The nibble slot of a word that holds its column `column` (0..7): the inverse of `awq_column`."""
+    return column % 2 * 4 + column // 2
+
+
+AWQ_ORDER = tuple(awq_column(slot) for slot in range(AWQ_PACK))  # (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 @dataclass(frozen=True)

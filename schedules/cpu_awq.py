@@ -1,14 +1,14 @@
-"""Products with AWQ INT4 weights on a CPU: the packed words read as the checkpoint stores them, unpacked in registers.
+"""Products with AWQ INT4 weights on a CPU: the checkpoint's packed words, unpacked in registers.
 
 qweight comes in column tiles [tiles, in, tile words] (ir.packing), eight output columns to a word (nibble slot i
 holds column 8 * word + AWQ_ORDER[i]). A task owns a tile, one cache line of words a row, and streams it one
-input row at a time, so every load is a whole vector of words of contiguous memory; each nibble slot, shifted and masked, is a
-vector of one column of each word, widened to float32 and multiplied by the broadcast x value. Zero points and
-scales are applied once per group: over a group, sum x * (q - z) * s = s * (sum x * q - z * sum x), so the
-accumulators hold sum x * q and the group's end subtracts z times the group's x sum and scales. The accumulator
-tile (rows x slots x vectors) is the one with the fewest unpacks and loads per FMA that fits half the SIMD
-registers; the passes of the other slots and rows find the group's strip in L1. The rows loop in passes too, so
-the same kernel serves decode steps and prefill chunks.
+input row at a time, so every load is a whole vector of words of contiguous memory; each nibble slot, shifted and
+masked, is a vector of one column of each word, widened to float32 and multiplied by the broadcast x value. Zero
+points and scales are applied once per group: over a group, sum x * (q - z) * s = s * (sum x * q - z * sum x), so
+the accumulators hold sum x * q and the group's end subtracts z times the group's x sum and scales. The
+accumulator tile (rows x slots x vectors) is the one with the fewest unpacks and loads per FMA that fits half the
+SIMD registers; the passes of the other slots and rows find the group's strip in L1. The rows loop in passes too,
+so the same kernel serves decode steps and prefill chunks.
 """
 
 from __future__ import annotations
@@ -16,16 +16,11 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ir.packing import AWQ_PACK
+from ir.packing import AWQ_PACK, awq_column
 
 from .written import packed_linear_func
 
 PREFETCH_ROWS = 16  # input rows ahead the first pass over a tile asks for (into L2)
-
-
-def _order(slot):
-    """AWQ_ORDER[slot] as arithmetic: the column within its word that nibble slot `slot` holds."""
-    return slot % 4 * 2 + slot // 4
 
 
 def _nibble(word, slot):
@@ -37,7 +32,7 @@ def _group_sum(acc, xsum, qz, sc, g, word, slot):
     """A group's sum of x * (q - z) * s for the column of `word` in nibble `slot`, from its sum of x * q (`acc`,
     scaled as `_nibble` scales) and of x (`xsum`)."""
     zero = _nibble(qz[g, word], slot)
-    return T.Cast("float32", sc[g, word * AWQ_PACK + _order(slot)]) * (acc - xsum * zero)
+    return T.Cast("float32", sc[g, word * AWQ_PACK + awq_column(slot)]) * (acc - xsum * zero)
 
 
 def _tile(rows: int, vecs: int, budget: int) -> tuple[int, int, int]:
@@ -100,7 +95,7 @@ def awq_linear(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
                                             acc[r, s, v, lane], xsum[rt * rows + r], qz, sc, g,
                                             task * strip + (vt * tile_vecs + v) * lanes + lane, st * slots + s)
             for r, s, v, lane in T.grid(m, AWQ_PACK, vecs, lanes):
-                ys[r, (task * strip + v * lanes + lane) * AWQ_PACK + _order(s)] = \
-                    first((task * strip + v * lanes + lane) * AWQ_PACK + _order(s)) + sums[r, s, v, lane]
+                ys[r, (task * strip + v * lanes + lane) * AWQ_PACK + awq_column(s)] = \
+                    first((task * strip + v * lanes + lane) * AWQ_PACK + awq_column(s)) + sums[r, s, v, lane]
 
     return packed_linear_func(func, products)
