@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import numpy as np
 
-from benchmarks.checkpoints import real_shape_checkpoint
+from benchmarks.checkpoints import real_shape_checkpoint, weight_bytes_per_token
+from benchmarks.cpu_generate import runtime_steps, timed_generation
 from compiler.build import build
 from runtime import CompiledModel
 
@@ -35,20 +34,10 @@ def main() -> None:
                      prefill_buckets=(args.tokens,), max_context=2 * args.tokens, quiet=True).path
     model = CompiledModel(model_dir, artifact, device="cuda")
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, model.config.vocab_size, args.tokens)]
-    prefill, decode = [], []
-    for _ in range(args.runs):
-        cache = model.new_cache(2 * args.tokens)
-        start = time.perf_counter()
-        token = int(np.argmax(model.forward(prompt, cache)))
-        prefill.append(args.tokens / (time.perf_counter() - start))
-        start = time.perf_counter()
-        for _ in range(args.tokens - 1):
-            token = int(np.argmax(model.forward([token], cache)))
-        decode.append((args.tokens - 1) / (time.perf_counter() - start))
-    weight_bytes = sum(int(np.prod(p["shape"])) * 2 for p in model.manifest["params"])
+    prefill, decode = timed_generation(*runtime_steps(model, prompt), args.tokens, args.runs)
+    weight_bytes = weight_bytes_per_token(model_dir)
     print(json.dumps({"model": "qwen2.5-0.5b-shape bf16", "cuda_compiler": args.cuda_compiler,
-                      "prefill_tokens_per_s": round(statistics.median(prefill), 1),
-                      "decode_tokens_per_s": round(statistics.median(decode), 1),
+                      "prefill_tokens_per_s": round(prefill, 1), "decode_tokens_per_s": round(decode, 1),
                       "weight_bytes_per_token": weight_bytes,
                       "decode_roofline_tokens_per_s": round(H200_BANDWIDTH / weight_bytes, 1)}))
 
