@@ -13,6 +13,7 @@ from .options import (
     COMPILER_ENV,
     COMPILERS,
     DEFAULT_BATCH_ROWS,
+    DEFAULT_IMAGE_PATCH_BUCKETS,
     DEFAULT_MAX_CONTEXT,
     DEFAULT_PREFILL_BUCKETS,
     MATMUL_PRECISIONS,
@@ -48,6 +49,9 @@ def main(argv: list[str]) -> int:
     b.add_argument("--kv-pages", type=int, help="pages in the KV arena (default: enough for the largest row count "
                                                   "at --max-context)")
     b.add_argument("--kv-block-size", type=int, help="tokens per KV page (default 16)")
+    b.add_argument("--image-patch-buckets", type=_sizes, metavar="N,N,...",
+                   help="a model with a vision encoder: image patches per encoder call; the largest bounds the "
+                        f"patches of one image (default: {','.join(map(str, DEFAULT_IMAGE_PATCH_BUCKETS))})")
     b.add_argument("--legacy-paged-attention", action="store_true",
                    help="also build the legacy attention path that gathers each row's history from the pages first "
                         "(run it with RUDA_PAGED_ATTENTION=legacy)")
@@ -70,7 +74,7 @@ def main(argv: list[str]) -> int:
     result = build(args.model_dir, target=args.target, out=args.out, prefill_buckets=args.prefill_buckets,
                    max_context=args.max_context, mcpu=args.mcpu, arch=args.arch, cuda_compiler=args.cuda_compiler,
                    ptx_version=args.ptx_version, batch_rows=args.batch_rows, kv_pages=args.kv_pages,
-                   kv_block=args.kv_block_size, legacy_attention=args.legacy_paged_attention,
+                   kv_block=args.kv_block_size, image_patches=args.image_patch_buckets, legacy_attention=args.legacy_paged_attention,
                    matmul_precision=args.matmul_precision, force=args.force, quiet=args.quiet)
     print(json.dumps({"artifact": str(result.path), "reused": result.reused, "seconds": round(result.seconds, 2)}))
     return 0

@@ -42,7 +42,13 @@ from schedules import cpu, gpu
 
 from .cuda import CudaBuildError, CudaTarget, check_with_ptxas, cuda_target, export_with_ptx, prepare_environment
 from .lower import kernel_signatures, lower_program
-from .options import DEFAULT_BATCH_ROWS, DEFAULT_MAX_CONTEXT, DEFAULT_PREFILL_BUCKETS, TARGETS
+from .options import (
+    DEFAULT_BATCH_ROWS,
+    DEFAULT_IMAGE_PATCH_BUCKETS,
+    DEFAULT_MAX_CONTEXT,
+    DEFAULT_PREFILL_BUCKETS,
+    TARGETS,
+)
 from .output import OutputError, locked_output
 from .target import CpuTarget, cpu_target
 
@@ -111,8 +117,8 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
           prefill_buckets: tuple[int, ...] | None = None, max_context: int | None = None,
           mcpu: str | None = None, arch: str | None = None, cuda_compiler: str | None = None,
           ptx_version: str | None = None, batch_rows: tuple[int, ...] | None = None, kv_pages: int | None = None,
-          kv_block: int | None = None, legacy_attention: bool = False, matmul_precision: str | None = None,
-          force: bool = False, quiet: bool = False) -> BuildResult:
+          kv_block: int | None = None, image_patches: tuple[int, ...] | None = None, legacy_attention: bool = False,
+          matmul_precision: str | None = None, force: bool = False, quiet: bool = False) -> BuildResult:
     """Compile a model directory into an artifact directory (reusing it when nothing changed)."""
     start = time.perf_counter()
     if out is not None and (not isinstance(out, (str, os.PathLike)) or not str(out)):
@@ -122,7 +128,8 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
     raw, config, tensors, program = models.load_checkpoint_program(model_dir)
     buckets = replace(resolve_buckets(prefill_buckets, max_context, config.max_position_embeddings, batch_rows,
                                       kv_pages, kv_block),
-                      entries=_entries(program, (ATTENTION_ENTRIES["legacy"],) if legacy_attention else ()))
+                      entries=_entries(program, (ATTENTION_ENTRIES["legacy"],) if legacy_attention else ()),
+                      image_patches=_image_patches(image_patches, config))
     out = Path(out) if out is not None else default_artifact_dir(model_dir, target)
     signatures = kernel_signatures(program, buckets)
     manifest = Manifest(
@@ -159,6 +166,21 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
     return BuildResult(out, False, time.perf_counter() - start)
 
 
+def _image_patches(sizes: tuple[int, ...] | None, config) -> tuple[int, ...]:
+    """The vision encoder's patch buckets: each a whole number of merged image tokens (none without an encoder)."""
+    encoder = getattr(config, "vision", None)
+    if encoder is None:
+        if sizes is not None:
+            raise BuildError(f"--image-patch-buckets: {config.model_type} has no vision encoder (config.json declares "
+                             "no vision_config); leave the option out")
+        return ()
+    sizes = tuple(sorted(set(sizes or DEFAULT_IMAGE_PATCH_BUCKETS)))
+    if any(not isinstance(v, int) or v <= 0 or v % encoder.merge_unit for v in sizes):
+        raise BuildError(f"--image-patch-buckets must be positive multiples of {encoder.merge_unit} (the patches "
+                         f"merged into one image token), got {list(sizes)}")
+    return sizes
+
+
 def _quantization(quant, program) -> QuantizationSpec | None:
     """The manifest's record of the checkpoint's quantisation."""
     if quant is None:
@@ -174,6 +196,7 @@ def _options(tgt: CpuTarget | CudaTarget, buckets: Buckets, mcpu: str | None) ->
                "--prefill-buckets", sizes(buckets.prefill_tokens), "--max-context", str(buckets.max_context),
                "--batch-rows", sizes(buckets.batch_rows), "--kv-pages", str(buckets.kv_pages),
                "--kv-block-size", str(buckets.kv_block)]
+    options += ["--image-patch-buckets", sizes(buckets.image_patches)] if buckets.image_patches else []
     options += ["--legacy-paged-attention"] if ATTENTION_ENTRIES["legacy"] in buckets.entries else []
     if isinstance(tgt, CudaTarget):
         options += ["--arch", tgt.arch, "--cuda-compiler", tgt.compiler]

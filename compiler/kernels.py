@@ -106,13 +106,23 @@ def _unpacked(packing: Packing | None, parts: list):
 
 
 def rope(types, attrs) -> Kernel:
+    """Rotary embedding of the first 2 * len(inv_freq) dims of each head (rotate-half form); with `pos_axes`, each
+    frequency turns by the row's position on its axis (multimodal rotary), else by the row's one position."""
     x, pos = _placeholders(types, ["x", "pos"])
     freqs = np.asarray(attrs["inv_freq"], dtype=np.float32)
     half, head_dim = len(freqs), attrs["head_dim"]
     inv = te.placeholder((half,), F32, name="inv_freq")
+    constants, args = [freqs], [x, pos, inv]
+    if "pos_axes" in attrs:
+        axes = te.placeholder((half,), "int32", name="pos_axes")
+        constants.append(np.asarray(attrs["pos_axes"], dtype=np.int32))
+        args.append(axes)
+        angle = lambda i, f: pos[i, axes[f]].astype(F32) * inv[f]  # noqa: E731
+    else:
+        angle = lambda i, f: pos[i].astype(F32) * inv[f]  # noqa: E731
     # cos and sin once per row and frequency, not once per head
-    cos = te.compute((x.shape[0], half), lambda i, f: te.cos(pos[i].astype(F32) * inv[f]), name="rope_cos")
-    sin = te.compute((x.shape[0], half), lambda i, f: te.sin(pos[i].astype(F32) * inv[f]), name="rope_sin")
+    cos = te.compute((x.shape[0], half), lambda i, f: te.cos(angle(i, f)), name="rope_cos")
+    sin = te.compute((x.shape[0], half), lambda i, f: te.sin(angle(i, f)), name="rope_sin")
 
     def rotate(i, c):
         d = c % head_dim
@@ -122,7 +132,64 @@ def rope(types, attrs) -> Kernel:
         return tirx.if_then_else(d < 2 * half, rotated, x[i, c])
 
     y = te.compute(x.shape, rotate, name="rope")
-    return Kernel(te.create_prim_func([x, pos, inv, y]), [freqs])
+    return Kernel(te.create_prim_func(args + [y]), constants)
+
+
+def layer_norm(types, attrs) -> Kernel:
+    """(x - mean) / sqrt(variance + eps) * weight + bias over each row (the variance from the centred values)."""
+    x, w, b = _placeholders(types, ["x", "weight", "bias"])
+    rows, hidden = x.shape[0], int(x.shape[1])
+    k, k2 = te.reduce_axis((0, hidden), "k"), te.reduce_axis((0, hidden), "k2")
+    mean = te.compute((rows,), lambda i: te.sum(x[i, k] / float(hidden), axis=k), name="layer_norm_mean")
+    var = te.compute((rows,), lambda i: te.sum((x[i, k2] - mean[i]) * (x[i, k2] - mean[i]) / float(hidden), axis=k2),
+                     name="layer_norm_variance")
+    y = te.compute((rows, hidden), lambda i, h: (x[i, h] - mean[i]) * te.rsqrt(var[i] + attrs["eps"]) * _f32(w[h])
+                   + _f32(b[h]), name=stages.NORM)
+    return Kernel(te.create_prim_func([x, w, b, y]))
+
+
+def gelu(types, attrs) -> Kernel:
+    """GELU: x * Phi(x) with the exact normal CDF (erf), or PyTorch's tanh approximation."""
+    (x,) = _placeholders(types, ["x"])
+    if attrs["approximate"] == "tanh":
+        f = lambda v: 0.5 * v * (1.0 + te.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v * v * v)))  # noqa: E731
+    else:
+        f = lambda v: 0.5 * v * (1.0 + te.erf(v * (1.0 / math.sqrt(2.0))))  # noqa: E731
+    return Kernel(te.create_prim_func([x, te.compute(x.shape, lambda i, c: f(x[i, c]), name="gelu")]))
+
+
+def image_attention(types, attrs) -> Kernel:
+    """Softmax attention of every patch over the patches of its own image (no mask within an image)."""
+    q, k, v, images = _placeholders(types, ["q", "k", "v", "images"])
+    out = _attend(q, {**attrs, "num_kv_heads": attrs["num_heads"]}, q.shape[0], lambda i, j, c: k[j, c],
+                  lambda i, j, c: v[j, c], lambda i, j: images[i] == images[j])
+    return Kernel(te.create_prim_func([q, k, v, images, out]))
+
+
+def interpolated_embedding(types, attrs) -> Kernel:
+    """Each row: its taps' table rows weighted and summed (a learned position grid resampled)."""
+    table, index, weight = _placeholders(types, ["table", "index", "weight"])
+    t = te.reduce_axis((0, index.shape[1]), "t")
+    y = te.compute((index.shape[0], table.shape[1]), lambda r, h: te.sum(
+        _f32(table[index[r, t], h]) * weight[r, t], axis=t), name="interpolated_embedding")
+    return Kernel(te.create_prim_func([table, index, weight, y]))
+
+
+def merge_rows(types, attrs) -> Kernel:
+    """Every `group` consecutive rows side by side as one row."""
+    (x,) = _placeholders(types, ["x"])
+    group, width = attrs["group"], int(x.shape[1])
+    y = te.compute((x.shape[0] // group, width * group), lambda r, c: x[r * group + c // width, c % width],
+                   name="merge_rows")
+    return Kernel(te.create_prim_func([x, y]))
+
+
+def merge_embeddings(types, attrs) -> Kernel:
+    """The token embeddings, with the rows whose mask is set taken from the input embeddings instead."""
+    embedded, inputs, mask = _placeholders(types, ["embedded", "inputs", "mask"])
+    y = te.compute(embedded.shape, lambda i, c: tirx.if_then_else(mask[i] != 0, inputs[i, c], embedded[i, c]),
+                   name="merge_embeddings")
+    return Kernel(te.create_prim_func([embedded, inputs, mask, y]))
 
 
 def _attend(q, attrs, length, key, value, visible):
@@ -500,6 +567,8 @@ KERNELS = {
     "take_rows": take_rows, "slice_cols": slice_cols, "sigmoid_mul": sigmoid_mul, "delta_inputs": delta_inputs,
     "batch_causal_conv1d": batch_causal_conv1d,
     "batch_gated_delta_rule": batch_gated_delta_rule, "gather_pages": gather_pages, "padded_attention": padded_attention,
+    "layer_norm": layer_norm, "gelu": gelu, "image_attention": image_attention,
+    "interpolated_embedding": interpolated_embedding, "merge_rows": merge_rows, "merge_embeddings": merge_embeddings,
 }
 
 

@@ -8,3 +8,4 @@ COMPILER_ENV, PTX_VERSION_ENV = "RUDA_CUDA_COMPILER", "RUDA_PTX_VERSION"
 DEFAULT_PREFILL_BUCKETS = (16, 64, 256)
 DEFAULT_MAX_CONTEXT = 4096  # tokens one sequence may hold, capped at the model's max_position_embeddings
 DEFAULT_BATCH_ROWS = (1,)
+DEFAULT_IMAGE_PATCH_BUCKETS = (256, 1024, 4096)  # patches per vision-encoder call (4096: a 1024x1024 image at 16 px)

@@ -9,11 +9,14 @@ from .ops import OPS, IRError, infer_types
 class GraphBuilder:
     """Appends ops to one entry graph; params are referenced by their checkpoint names."""
 
-    def __init__(self, name: str, params: dict[str, Param], bucket_dims: tuple[str, ...] = (), optional: bool = False):
-        """An empty entry graph compiled over `bucket_dims` (ir.graph.BUCKET_AXES); `optional`: built on request."""
+    def __init__(self, name: str, params: dict[str, Param], bucket_dims: tuple[str, ...] = (), optional: bool = False,
+                 derived_dims: dict[str, tuple[str, int]] | None = None):
+        """An empty entry graph compiled over `bucket_dims` (ir.graph.BUCKET_AXES) and the dims derived from them
+        (see ir.graph.Graph); `optional`: built on request."""
         self.name = name
         self.params = params
         self.bucket_dims, self.optional = tuple(bucket_dims), optional
+        self.derived_dims = dict(derived_dims or {})
         self.inputs: list[str] = []
         self.ops: list[Op] = []
         self.types: dict[str, TensorType] = {}
@@ -49,7 +52,7 @@ class GraphBuilder:
         for out in outputs:
             self.type_of(out)
         return Graph(self.name, list(self.inputs), list(self.ops), list(outputs), dict(self.types), dict(self.roles),
-                     self.bucket_dims, self.optional)
+                     self.bucket_dims, self.optional, dict(self.derived_dims))
 
     def _define(self, name: str, t: TensorType) -> None:
         if name in self.types or name in self.params:

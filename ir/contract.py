@@ -27,6 +27,7 @@ from .graph import (
     HISTORY,
     PAGES,
     PAGES_PER_ROW,
+    PATCHES,
     ROWS,
     SLOTS,
     STATE_ROLES,
@@ -101,7 +102,8 @@ class Buckets:
     """The shape specialisations built. Each entry is compiled over its bucket axes (ir.graph.BUCKET_AXES): a
     step's token buckets are the prefill chunk sizes and the row counts (a step of one token per sequence), its
     row buckets the sequence counts. A sequence holds up to `max_context` tokens in pages of `kv_block` tokens
-    of the KV arena (`kv_pages` pages); recurrent states live in one slot per row of the largest step.
+    of the KV arena (`kv_pages` pages); recurrent states live in one slot per row of the largest step. An image
+    encoder's patch buckets are `image_patches` (patches per call; none for a model without images).
     `entries`: the entries built (the model's non-optional ones, and the optional ones the build asked for)."""
 
     prefill_tokens: tuple[int, ...]
@@ -110,6 +112,7 @@ class Buckets:
     kv_pages: int
     kv_block: int = 16
     entries: tuple[str, ...] = ("step",)
+    image_patches: tuple[int, ...] = ()
 
     @property
     def pages_per_row(self) -> int:
@@ -123,18 +126,19 @@ class Buckets:
 
     def sizes(self, axis: str) -> tuple[int, ...]:
         """The sizes a bucket axis is compiled for."""
-        return {TOKENS: self.step_tokens, ROWS: self.batch_rows}[axis]
+        return {TOKENS: self.step_tokens, ROWS: self.batch_rows, PATCHES: self.image_patches}[axis]
 
     def functions(self, program: Program) -> list[tuple[str, str, dict[str, int]]]:
         """(VM function name, entry name, dim bindings) for every built entry and combination of the sizes of its
-        bucket axes (a size at most its AXIS_LIMITS axis' size)."""
+        bucket axes (a size at most its AXIS_LIMITS axis' size), the dims derived from them bound too."""
         out = []
         for entry in self.entries:
-            axes = program.entries[entry].bucket_dims
-            for sizes in itertools.product(*(self.sizes(axis) for axis in axes)):
-                bound = dict(zip(axes, sizes))
+            graph = program.entries[entry]
+            for sizes in itertools.product(*(self.sizes(axis) for axis in graph.bucket_dims)):
+                bound = dict(zip(graph.bucket_dims, sizes))
                 if all(bound[a] <= bound[limit] for a, limit in AXIS_LIMITS.items() if a in bound and limit in bound):
-                    out.append((self.function_name(entry, bound), entry, {**bound, **self.arena_dims()}))
+                    dims = {**bound, **graph.bind_derived(bound), **self.arena_dims()}
+                    out.append((self.function_name(entry, bound), entry, dims))
         return out
 
     @staticmethod

@@ -20,18 +20,22 @@ BLOCK = "block"  # tokens per KV page
 PAGES_PER_ROW = "pages_per_row"  # block-table width: pages one sequence may hold
 HISTORY = "history"  # positions a block table covers: pages_per_row * block
 SLOTS = "slots"  # recurrent-state slots of batched execution: one per sequence a batch may hold
+PATCHES = "patches"  # image patch rows of one image-encoder call (every patch of every image in it, padded)
+IMAGE_TOKENS = "image_tokens"  # the encoder's output rows: its patches merged (a dim derived from PATCHES)
 
 # Bucket axes: the symbolic dims an entry declares to be specialised per VM function (each over the sizes the
 # build options give, ir.contract.Buckets.sizes), with the tag that names a size in a function name
 # (step_t16_r1). Every other symbolic dim is bound once per artifact (the KV arena's).
-BUCKET_AXES = {TOKENS: "t", ROWS: "r"}
+BUCKET_AXES = {TOKENS: "t", ROWS: "r", PATCHES: "p"}
 AXIS_LIMITS = {ROWS: TOKENS}  # a size of the key's axis is at most the value's: a step holds a token per row
 
 
 # What each runtime input of an entry carries: the runtime fills inputs by role, never by name or position.
 INPUT_ROLES = {
     "token_ids": "the new tokens, one per row (padded to the bucket)",
-    "input_embeddings": "the new tokens' input embeddings, one row each (in place of token ids)",
+    "input_embeddings": "input embeddings of the new tokens, one row each, used where embedding_mask is set",
+    "embedding_mask": "per token: 1 takes its row of input_embeddings (an image token), 0 embeds its token id",
+    "rope_positions": "each token's multimodal rotary position (temporal, height, width)",
     "token_count": "how many of the tokens are real",
     "token_positions": "each token's position in its sequence",
     "token_rows": "each token's sequence (its row of the block table)",
@@ -42,6 +46,11 @@ INPUT_ROLES = {
     "seq_len": "each sequence's token count",
     "seq_pos": "each sequence's first position",
     "seq_slot": "each sequence's recurrent-state slot",
+    "image_patches": "the images' patches, flattened pixels, one row each (images after each other, padded)",
+    "patch_positions": "each patch's (row, column) in its image's patch grid",
+    "patch_images": "each patch's image: attention stays within an image",
+    "patch_interpolation_index": "each patch's position-embedding table rows to interpolate",
+    "patch_interpolation_weight": "the weights of those rows",
     "k_pages": "state of one layer: the KV arena's key pages",
     "v_pages": "state of one layer: the KV arena's value pages",
     "conv_pool": "state of one layer: causal-conv windows, one per slot",
@@ -93,6 +102,7 @@ class TensorType:
 # How a param is made from its checkpoint tensors (the weight map); the runtime's loader implements each.
 WEIGHT_TRANSFORMS = {
     "copy": "the one source tensor as the checkpoint stores it",
+    "flatten": "the one source tensor with its trailing dims flattened into one (a patch conv kernel as a matrix)",
     "awq_tiles": "AWQ qweight, qzeros, scales as stored, qweight regrouped into column tiles (ir.packing)",
 }
 
@@ -126,9 +136,10 @@ class Op:
 
 @dataclass
 class Graph:
-    """One entry point (a step; an image encoder to come): runtime inputs and their roles, ops in order, outputs,
-    value types; the bucket axes (BUCKET_AXES) it is compiled over, one VM function per combination of their
-    sizes; and whether it is optional (built only when the build asks for it, e.g. the legacy attention path)."""
+    """One entry point (a step, an image encoder): runtime inputs and their roles, ops in order, outputs, value
+    types; the bucket axes (BUCKET_AXES) it is compiled over, one VM function per combination of their sizes, and
+    the dims derived from them (name -> (axis, divisor): the axis' size divided by the divisor); and whether it is
+    optional (built only when the build asks for it, e.g. the legacy attention path)."""
 
     name: str
     inputs: list[str]
@@ -138,6 +149,11 @@ class Graph:
     roles: dict[str, Role] = field(default_factory=dict)
     bucket_dims: tuple[str, ...] = ()
     optional: bool = False
+    derived_dims: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+    def bind_derived(self, sizes: dict[str, int]) -> dict[str, int]:
+        """The derived dims' sizes for these bucket-axis sizes."""
+        return {dim: sizes[axis] // divisor for dim, (axis, divisor) in self.derived_dims.items()}
 
 
 @dataclass

@@ -197,13 +197,84 @@ def _linear(ins, attrs):
 def _rope(ins, attrs):
     x, pos = ins
     _act(x, 2, "rope input")
-    _check(pos == TensorType((x.shape[0],), "int32"), f"rope pos must be one int32 position per row "
-           f"({x.shape[0]}), got {pos}")
     head_dim, inv_freq = attrs["head_dim"], attrs["inv_freq"]
+    axes = attrs.get("pos_axes")
+    if axes is None:
+        _check(pos == TensorType((x.shape[0],), "int32"), f"rope pos must be one int32 position per row "
+               f"({x.shape[0]}), got {pos}")
+    else:  # a position per axis (multimodal rotary): each frequency rotates by the position on its axis
+        _check(pos.dtype == "int32" and len(pos.shape) == 2 and pos.shape[0] == x.shape[0] and isinstance(
+            pos.shape[1], int), f"rope pos must be int32 [{x.shape[0]}, axes] with pos_axes, got {pos}")
+        _check(isinstance(axes, list) and len(axes) == len(inv_freq) and all(
+            isinstance(a, int) and 0 <= a < pos.shape[1] for a in axes),
+            f"rope pos_axes must give each of the {len(inv_freq)} frequencies an axis below {pos.shape[1]}")
     _check(isinstance(head_dim, int) and head_dim > 0, f"rope head_dim must be a positive int, got {head_dim!r}")
     _check(x.shape[1] % head_dim == 0, f"rope features {x.shape[1]} not a multiple of head_dim {head_dim}")
     _check(0 < 2 * len(inv_freq) <= head_dim, f"rope rotates {2 * len(inv_freq)} of {head_dim} dims")
     return [x]
+
+
+def _layer_norm(ins, attrs):
+    x, w, b = ins
+    _act(x, 2, "layer_norm input")
+    _weight(w, (x.shape[1],), "layer_norm weight")
+    _weight(b, (x.shape[1],), "layer_norm bias")
+    return [x]
+
+
+GELU_APPROXIMATIONS = ("none", "tanh")  # erf, or the tanh approximation (PyTorch's approximate="tanh")
+
+
+def _gelu(ins, attrs):
+    (x,) = ins
+    _act(x, 2, "gelu input")
+    _check(attrs["approximate"] in GELU_APPROXIMATIONS, f"gelu approximate must be one of {GELU_APPROXIMATIONS}, "
+           f"got {attrs['approximate']!r}")
+    return [x]
+
+
+def _image_attention(ins, attrs):
+    q, k, v, images = ins
+    heads, head_dim = attrs["num_heads"], attrs["head_dim"]
+    _check(all(isinstance(n, int) and n > 0 for n in (heads, head_dim)),
+           f"image_attention heads {heads!r} / head_dim {head_dim!r} must be positive ints")
+    _act(q, 2, "image_attention query")
+    _check(q.shape[1] == heads * head_dim and k == q and v == q,
+           f"image_attention q {q}, k {k}, v {v} must all be {heads} heads of {head_dim}")
+    _check(images == TensorType((q.shape[0],), "int32"), f"image_attention images must be int32[{q.shape[0]}], "
+           f"got {images}")
+    return [q]
+
+
+def _interpolated_embedding(ins, attrs):
+    table, index, weight = ins
+    _check(table.dtype in FLOAT_DTYPES and len(table.shape) == 2, f"interpolated_embedding table must be a float "
+           f"matrix, got {table}")
+    _check(index.dtype == "int32" and len(index.shape) == 2, f"interpolated_embedding index must be int32 "
+           f"[rows, taps], got {index}")
+    _check(weight == TensorType(index.shape, "float32"), f"interpolated_embedding weight must be float32 "
+           f"{list(index.shape)}, got {weight}")
+    return [TensorType((index.shape[0], table.shape[1]), "float32")]
+
+
+def _merge_rows(ins, attrs):
+    (x,) = ins
+    _act(x, 2, "merge_rows input")
+    group, rows = attrs["group"], attrs["rows"]
+    _check(isinstance(group, int) and group > 0 and isinstance(x.shape[1], int),
+           f"merge_rows group must be a positive int, got {group!r}")
+    _check(isinstance(rows, str) or (isinstance(rows, int) and rows * group == x.shape[0]),
+           f"merge_rows cannot merge {x} into {rows!r} rows of {group}")
+    return [TensorType((rows, x.shape[1] * group), "float32")]
+
+
+def _merge_embeddings(ins, attrs):
+    embedded, inputs, mask = ins
+    _act(embedded, 2, "merge_embeddings embedded")
+    _check(inputs == embedded, f"merge_embeddings inputs {inputs} must match the embedded tokens {embedded}")
+    _check(mask == TensorType((embedded.shape[0],), "int32"), f"merge_embeddings mask must be "
+           f"int32[{embedded.shape[0]}], got {mask}")
+    return [embedded]
 
 
 def _heads(attrs: dict, what: str) -> tuple[int, int, int]:
@@ -283,7 +354,13 @@ OPS: dict[str, OpSpec] = {
     "rms_norm": OpSpec(("x", "weight"), ("eps",), _rms_norm, optional_attrs=("group", "weight_offset")),
     "add_rms_norm": OpSpec(("x", "residual", "weight"), ("eps",), _add_rms_norm, optional_attrs=("weight_offset",)),
     "linear": OpSpec(("x", "weight"), (), _linear, optional_inputs=("bias",)),
-    "rope": OpSpec(("x", "pos"), ("head_dim", "inv_freq"), _rope),
+    "rope": OpSpec(("x", "pos"), ("head_dim", "inv_freq"), _rope, optional_attrs=("pos_axes",)),
+    "layer_norm": OpSpec(("x", "weight", "bias"), ("eps",), _layer_norm),
+    "gelu": OpSpec(("x",), ("approximate",), _gelu),
+    "image_attention": OpSpec(("q", "k", "v", "images"), ("num_heads", "head_dim", "scale"), _image_attention),
+    "interpolated_embedding": OpSpec(("table", "index", "weight"), (), _interpolated_embedding),
+    "merge_rows": OpSpec(("x",), ("group", "rows"), _merge_rows),
+    "merge_embeddings": OpSpec(("embedded", "inputs", "mask"), (), _merge_embeddings),
     "silu_mul": OpSpec(("gate", "up"), (), _elementwise),
     "add": OpSpec(("a", "b"), (), _elementwise),
     "paged_kv_append": OpSpec(("pages", "new", "slots"), (), _paged_kv_append, inplace=(0,)),

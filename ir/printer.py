@@ -18,6 +18,7 @@ def format_program(program: Program) -> str:
     for g in program.entries.values():
         args = ", ".join(f"%{v}: {g.types[v]}" for v in g.inputs)
         over = f" over [{', '.join(g.bucket_dims)}]" if g.bucket_dims else ""
+        over += "".join(f", {dim} = {axis} / {divisor}" for dim, (axis, divisor) in g.derived_dims.items())
         lines.append(f"{'optional ' if g.optional else ''}entry {g.name}({args}){over} {{")
         for op in g.ops:
             outs = ", ".join(f"%{o}: {g.types[o]}" for o in op.outputs)

@@ -8,7 +8,7 @@ import json
 from .graph import Graph, Op, Param, Program, Role, TensorType
 from .packing import Packing
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 
 
 def _type(t: TensorType) -> dict:
@@ -36,6 +36,7 @@ def to_json_dict(program: Program) -> dict:
                 "outputs": g.outputs,
                 "bucket_dims": list(g.bucket_dims),
                 "optional": g.optional,
+                "derived_dims": {dim: list(rule) for dim, rule in g.derived_dims.items()},
                 "types": {k: _type(t) for k, t in g.types.items()},
                 "ops": [{"kind": o.kind, "inputs": list(o.inputs), "outputs": list(o.outputs), "attrs": o.attrs}
                         for o in g.ops],
@@ -56,7 +57,8 @@ def from_json_dict(d: dict) -> Program:
         types = {k: _untype(t) for k, t in e["types"].items()}
         roles = {name: Role(kind, layer) for name, (kind, layer) in e["roles"].items()}
         entries[e["name"]] = Graph(e["name"], list(e["inputs"]), ops, list(e["outputs"]), types, roles,
-                                   tuple(e["bucket_dims"]), e["optional"])
+                                   tuple(e["bucket_dims"]), e["optional"],
+                                   {dim: (axis, divisor) for dim, (axis, divisor) in e["derived_dims"].items()})
     return Program(d["model_type"], params, entries, d["meta"])
 
 

@@ -53,6 +53,13 @@ def verify_graph(graph: Graph, program: Program) -> None:
     if bad or len(set(graph.bucket_dims)) != len(graph.bucket_dims):
         raise IRError(f"{where}: bucket dims {list(graph.bucket_dims)} must be distinct bucket axes "
                       f"({', '.join(BUCKET_AXES)}) that its inputs use ({sorted(input_dims)})")
+    for dim, (axis, divisor) in graph.derived_dims.items():
+        if axis not in graph.bucket_dims or not isinstance(divisor, int) or divisor <= 0 or dim in input_dims:
+            raise IRError(f"{where}: derived dim {dim!r} must divide one of its bucket dims {list(graph.bucket_dims)} "
+                          f"by a positive int (got {axis!r} / {divisor!r}) and be no input's dim")
+
+
+UNPACKED_TRANSFORMS = ("copy", "flatten")  # the transforms of a param stored as it is used (not packed)
 
 
 def verify(program: Program) -> Program:
@@ -63,11 +70,11 @@ def verify(program: Program) -> Program:
         if packing is not None and packing.problem(param.type.shape):
             raise IRError(f"{program.model_type}: param {param.name!r} of type {param.type}: "
                           f"{packing.problem(param.type.shape)}")
-        want = packing.transform if packing else "copy"
-        if param.transform not in WEIGHT_TRANSFORMS or param.transform != want or len(param.source_tensors) != parts:
+        want = (packing.transform,) if packing else UNPACKED_TRANSFORMS
+        if param.transform not in WEIGHT_TRANSFORMS or param.transform not in want or len(param.source_tensors) != parts:
             raise IRError(f"{program.model_type}: param {param.name!r} of type {param.type} has transform "
-                          f"{param.transform!r} of {list(param.source_tensors)}; its type needs {want!r} of "
-                          f"{parts} source tensors")
+                          f"{param.transform!r} of {list(param.source_tensors)}; its type needs {' or '.join(map(repr, want))} "
+                          f"of {parts} source tensors")
     for graph in program.entries.values():
         verify_graph(graph, program)
     return program

@@ -7,7 +7,7 @@ from typing import Mapping
 
 from ir import Program
 
-from . import llama, qwen2, qwen3_5
+from . import llama, qwen2, qwen3_5, qwen3_5_vision
 from .checkpoint import TensorEntry, check_tensors, scan_checkpoint
 from .config import ConfigReader, ModelConfigError, read_config_json
 from .decoder import DecoderConfig, build_decoder_program, checkpoint_shapes
@@ -52,10 +52,10 @@ def tensor_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
 
 
 def ignored_tensors(config: DecoderConfig) -> tuple[str, ...]:
-    """Name prefixes of checkpoint tensors the text model does not use (the image-text checkpoint's vision tower,
-    multi-token-prediction heads)."""
+    """Name prefixes of checkpoint tensors the model does not use (multi-token-prediction heads, and a vision tower
+    its config does not declare)."""
     if isinstance(config, qwen3_5.Qwen35Config):
-        return qwen3_5.IGNORED_PREFIXES
+        return qwen3_5.IGNORED_PREFIXES + (() if config.vision else (qwen3_5_vision.PREFIX,))
     return ()
 
 

@@ -31,6 +31,11 @@ def read_config_json(model_dir: str | Path) -> tuple[dict, Path]:
         raise ModelConfigError(f"{model_dir}: not a directory; pass a local Hugging Face model directory")
     if not path.is_file():
         raise ModelConfigError(f"{path}: missing; a model directory needs the config.json of its checkpoint")
+    return read_json_object(path), path
+
+
+def read_json_object(path: Path) -> dict:
+    """The JSON object a checkpoint file holds, or a ModelConfigError naming the file and the fix."""
     try:
         raw = json.loads(path.read_bytes())
     except OSError as e:
@@ -38,8 +43,8 @@ def read_config_json(model_dir: str | Path) -> tuple[dict, Path]:
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ModelConfigError(f"{path}: not valid JSON ({e}); restore the file from the checkpoint") from None
     if not isinstance(raw, dict):
-        raise ModelConfigError(f"{path}: must hold a JSON object")
-    return raw, path
+        raise ModelConfigError(f"{path}: must hold a JSON object; restore the file from the checkpoint")
+    return raw
 
 
 class ConfigReader:

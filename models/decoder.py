@@ -141,15 +141,15 @@ def checkpoint_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
 def build_decoder_program(c: DecoderConfig, param_dtypes: Mapping[str, str] | None = None) -> Program:
     """The step graphs of the decoder (fused paged attention, and the legacy gather path); params in `param_dtypes`
     (default: the config's dtype)."""
-    return assemble_program(c, checkpoint_shapes(c), param_dtypes, _step_entry)
+    return assemble_program(c, make_params(checkpoint_shapes(c), param_dtypes or {}, c.dtype, c.quantization),
+                            _step_entry)
 
 
-def assemble_program(c: DecoderConfig, shapes: dict, param_dtypes: Mapping[str, str] | None, step_entry) -> Program:
-    """The verified program: params of these (float-layout) weight shapes as the checkpoint stores them (float, or
-    packed by its quantisation), `step_entry` graphs (fused paged attention, and the legacy gather path)."""
-    params = make_params(shapes, param_dtypes or {}, c.dtype, c.quantization)
+def assemble_program(c: DecoderConfig, params: dict[str, Param], step_entry, others: dict | None = None) -> Program:
+    """The verified program: `params` (the weight map), `step_entry` graphs (fused paged attention, and the legacy
+    gather path), and any `others` entries (name -> graph)."""
     entries = {"step": step_entry(c, params, gather=False), "step_gather": step_entry(c, params, gather=True)}
-    return verify(Program(c.model_type, params, entries, {"config": asdict(c)}))
+    return verify(Program(c.model_type, params, entries | (others or {}), {"config": asdict(c)}))
 
 
 def _step_entry(c: DecoderConfig, params: dict[str, Param], gather: bool):

@@ -11,7 +11,10 @@
   -> o_proj.
 Every RMSNorm except the gated one scales by (1 + weight). Two config forms: `qwen3_5_text` (weights
 under `model.`) and `qwen3_5` with a `text_config` (the image-text checkpoint, weights under
-`model.language_model.`).
+`model.language_model.`). With a `vision_config` the program also holds the vision encoder
+(models/qwen3_5_vision.py, entry `encode_image`), and its steps take input embeddings (an image's
+tokens) and multimodal rotary positions: each rotary frequency turns by the token's temporal, height or
+width position, interleaved as `mrope_section` says (all three equal for text).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ir import (
     BLOCK,
     PAGES,
     SLOTS,
+    TOKENS,
     GraphBuilder,
     Param,
     Program,
@@ -32,6 +36,7 @@ from ir import (
 )
 from ir.ops import SEQUENCE_INPUTS
 
+from . import qwen3_5_vision as vision
 from .config import ConfigReader
 from .layers import linear, swiglu_mlp
 from .decoder import (
@@ -43,12 +48,14 @@ from .decoder import (
     step_builder,
     step_inputs,
 )
+from .quantization import make_params
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 TOP_LEVEL_FALLBACKS = ("torch_dtype", "dtype", "tie_word_embeddings", "eos_token_id", "bos_token_id")
 PREFILL_CHUNK = 16  # tokens per chunk of the chunked delta rule in prefill (measured best on CPU: 16 >> 32, 64)
 NORM_OFFSET = 1.0  # Qwen3.5's RMSNorm weights are stored as (scale - 1)
-IGNORED_PREFIXES = ("model.visual.", "mtp.")  # the image-text checkpoint's vision tower, multi-token prediction
+IGNORED_PREFIXES = ("mtp.",)  # the multi-token-prediction heads (and a vision tower the config does not declare)
+MROPE_AXES = 3  # multimodal rotary positions: temporal, height, width
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,9 @@ class Qwen35Config(DecoderConfig):
     linear_key_head_dim: int
     linear_value_head_dim: int
     weight_prefix: str
+    mrope_section: tuple[int, ...] = (11, 11, 10)
+    vision: vision.VisionConfig | None = None
+    """The vision encoder (an image-text config with a vision_config), else None."""
 
     @property
     def conv_dim(self) -> int:
@@ -73,6 +83,14 @@ class Qwen35Config(DecoderConfig):
     def value_dim(self) -> int:
         """Width of all value heads of a linear-attention layer."""
         return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def mrope_axes(self) -> list[int]:
+        """The position axis (0 temporal, 1 height, 2 width) each rotary frequency turns by: height and width
+        interleaved into every third frequency from the second and third, as far as their sections reach."""
+        t, h, w = self.mrope_section
+        return [1 if f % 3 == 1 and f < 3 * h else 2 if f % 3 == 2 and f < 3 * w else 0
+                for f in range(self.rotary_dim // 2)]
 
 
 def text_config(cfg: ConfigReader) -> tuple[ConfigReader, str]:
@@ -114,13 +132,22 @@ def read_config(cfg: ConfigReader) -> Qwen35Config:
     k_heads, v_heads = text.int("linear_num_key_heads", 16), text.int("linear_num_value_heads", 32)
     if v_heads % k_heads:
         raise text.error("linear_num_value_heads", f"({v_heads}) must be a multiple of linear_num_key_heads ({k_heads})")
+    section = rope.get("mrope_section", [11, 11, 10])
+    if not isinstance(section, list) or len(section) != MROPE_AXES or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in section):
+        raise rope_reader.error("mrope_section", f"must list three non-negative frequency counts (temporal, height, "
+                                f"width), got {section!r}")
+    encoder = vision.read_vision_config(cfg) if model_type == "qwen3_5" else None
+    if encoder is not None and encoder.out_hidden_size != fields["hidden_size"]:
+        raise cfg.error("vision_config", f"has out_hidden_size {encoder.out_hidden_size}, but the text model's "
+                        f"hidden_size is {fields['hidden_size']}: image embeddings must fit the text model")
     return Qwen35Config(
         model_type=model_type, qkv_bias=False,
         rope_inv_freq=tuple(1.0 / theta ** (2 * i / rotary) for i in range(rotary // 2)),
         layer_types=types, rotary_dim=rotary, conv_kernel=text.int("linear_conv_kernel_dim", 4, minimum=2),
         linear_num_key_heads=k_heads, linear_num_value_heads=v_heads,
         linear_key_head_dim=text.int("linear_key_head_dim", 128), linear_value_head_dim=text.int("linear_value_head_dim", 128),
-        weight_prefix=prefix, **fields)
+        weight_prefix=prefix, mrope_section=tuple(section), vision=encoder, **fields)
 
 
 def _layer_types(text: ConfigReader, layers: int) -> tuple[str, ...]:
@@ -162,42 +189,55 @@ def checkpoint_shapes(c: Qwen35Config) -> dict[str, tuple[int, ...]]:
     shapes[p + "norm.weight"] = (hidden,)
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, hidden)
-    return shapes
+    return shapes | (vision.checkpoint_shapes(c.vision) if c.vision else {})
 
 
 def build_program(c: Qwen35Config, param_dtypes: Mapping[str, str] | None = None) -> Program:
-    """The step graphs (fused and legacy paged attention); params in `param_dtypes`."""
-    return assemble_program(c, checkpoint_shapes(c), param_dtypes, _step_entry)
+    """The step graphs (fused and legacy paged attention), and the vision encoder's; params in `param_dtypes`."""
+    params = make_params(checkpoint_shapes(c), param_dtypes or {}, c.dtype, c.quantization)
+    if c.vision is None:
+        return assemble_program(c, params, _step_entry)
+    params |= vision.flattened_params(params)
+    return assemble_program(c, params, _step_entry, {"encode_image": vision.encoder_entry(c.vision, params)})
 
 
 def _step_entry(c: Qwen35Config, params: dict[str, Param], gather: bool):
     """A step over one or more sequences (see models.decoder's step): KV in a paged arena per attention layer, the
-    conv and recurrent states of linear-attention layers in a pool of per-sequence slots."""
+    conv and recurrent states of linear-attention layers in a pool of per-sequence slots. With a vision encoder, the
+    image tokens' embeddings come in as inputs and the rotary positions are multimodal."""
     g = step_builder(params, gather)
     step = step_inputs(g, sequences=True)
     kv = c.num_key_value_heads * c.head_dim
     seqs = [step[name] for name in SEQUENCE_INPUTS]
+    h = g.op("embedding", [c.weight_prefix + "embed_tokens.weight", step["ids"]], "embed")
+    rope_pos, rope_axes = step["pos_of"], {}
+    if c.vision is not None:
+        given = g.input("input_embeddings", (TOKENS, c.hidden_size), "float32", "input_embeddings")
+        h = g.op("merge_embeddings", [h, given, g.input("embedding_mask", (TOKENS,), "int32", "embedding_mask")],
+                 "embed_merged")
+        rope_pos, rope_axes = g.input("rope_positions", (TOKENS, MROPE_AXES), "int32", "rope_positions"), {
+            "pos_axes": c.mrope_axes}
     mixers = []
     for i, kind in enumerate(c.layer_types):
         if kind == "full_attention":
             pages = [g.input(f"{part}_pages.{i}", (PAGES, BLOCK, kv), "float32", f"{part}_pages", i)
                      for part in ("k", "v")]
-            mixers.append(partial(_gated_attention, g, c, pos=step["pos_of"],
+            mixers.append(partial(_gated_attention, g, c, pos=rope_pos, rope_axes=rope_axes,
                                   attend=paged_attend(g, c, step, *pages, gather)))
         else:
             conv = g.input(f"conv_pool.{i}", (SLOTS, c.conv_kernel - 1, c.conv_dim), "float32", "conv_pool", i)
             delta = g.input(f"delta_pool.{i}", (SLOTS, c.linear_num_value_heads, c.linear_key_head_dim,
                                                 c.linear_value_head_dim), "float32", "recurrent_pool", i)
             mixers.append(partial(_gated_delta_net, g, c, n=step["n"], seqs=seqs, conv_pool=conv, delta_pool=delta))
-    h = _decoder(g, c, step["ids"], mixers)
+    h = _decoder(g, c, h, mixers)
     return eliminate_dead_values(fuse_add_rms_norm(g.finish([batch_logits(g, c, h, step,
                                                                           c.weight_prefix + "embed_tokens")])))
 
 
-def _decoder(g: GraphBuilder, c: Qwen35Config, ids: str, mixers: list) -> str:
-    """Embedding, the layers (each `mixers[i](layer, x)` is layer i's token mixer), the final norm."""
+def _decoder(g: GraphBuilder, c: Qwen35Config, h: str, mixers: list) -> str:
+    """The layers over the input embeddings `h` (each `mixers[i](layer, x)` is layer i's token mixer), the final
+    norm."""
     p = c.weight_prefix
-    h = g.op("embedding", [p + "embed_tokens.weight", ids], "embed")
     for i, mixer in enumerate(mixers):
         layer = f"{p}layers.{i}."
         x = g.op("rms_norm", [h, layer + "input_layernorm.weight"], layer + "mixer_norm", eps=c.rms_norm_eps,
@@ -209,8 +249,10 @@ def _decoder(g: GraphBuilder, c: Qwen35Config, ids: str, mixers: list) -> str:
     return g.op("rms_norm", [h, p + "norm.weight"], "final_norm", eps=c.rms_norm_eps, weight_offset=NORM_OFFSET)
 
 
-def _gated_attention(g: GraphBuilder, c: Qwen35Config, layer: str, x: str, *, pos: str, attend) -> str:
-    """Gated attention; `attend(q, k, v, layer)` stores k/v and attends over the sequence's cache."""
+def _gated_attention(g: GraphBuilder, c: Qwen35Config, layer: str, x: str, *, pos: str, rope_axes: dict,
+                     attend) -> str:
+    """Gated attention; `attend(q, k, v, layer)` stores k/v and attends over the sequence's cache; `pos` the rotary
+    positions (with `rope_axes`: the rope op's pos_axes for multimodal positions)."""
     a, d = layer + "self_attn.", c.head_dim
     q_gate = linear(g, x, a + "q_proj", layer + "q_gate")
     q = g.op("slice_cols", [q_gate], layer + "q", period=2 * d, offset=0, width=d)
@@ -220,7 +262,7 @@ def _gated_attention(g: GraphBuilder, c: Qwen35Config, layer: str, x: str, *, po
     norm = {"eps": c.rms_norm_eps, "group": d, "weight_offset": NORM_OFFSET}
     q = g.op("rms_norm", [q, a + "q_norm.weight"], layer + "q_normed", **norm)
     k = g.op("rms_norm", [k, a + "k_norm.weight"], layer + "k_normed", **norm)
-    rope = {"head_dim": d, "inv_freq": list(c.rope_inv_freq)}
+    rope = {"head_dim": d, "inv_freq": list(c.rope_inv_freq), **rope_axes}
     q = g.op("rope", [q, pos], layer + "q_rot", **rope)
     k = g.op("rope", [k, pos], layer + "k_rot", **rope)
     gated = g.op("sigmoid_mul", [gate, attend(q, k, v, layer)], layer + "attn_gated")

@@ -7,10 +7,12 @@ Weights are scaled so that logits have a clear top-1 margin, which keeps greedy 
 comparable token by token across implementations.
 
 Qwen3.5 comes in both of its config forms: `qwen3_5_text` (a text-only checkpoint) and `qwen3_5` (the
-image-text checkpoint's config with a `text_config`; weights under `model.language_model.`).
+image-text checkpoint's config with a `text_config`; weights under `model.language_model.`); with
+`vision=True` the `qwen3_5` form also holds a tiny vision tower (`vision_config`, `model.visual.*`) and a
+preprocessor_config.json.
 
 CLI: python -m models.tiny OUT_DIR [--arch qwen2|llama|qwen3_5_text|qwen3_5] [--seed N] [--dtype D] [--shards N]
-     [--awq-group-size G] [--overwrite]
+     [--awq-group-size G] [--vision] [--overwrite]
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ QWEN35_ARCHS = ("qwen3_5_text", "qwen3_5")
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 _QWEN2_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_QWEN35_SPECIALS = _QWEN2_SPECIALS + ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 _LLAMA_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 
 # Pre-tokenizer split patterns of Qwen2 and Llama 3 (they differ only in how digits group).
@@ -154,6 +157,8 @@ def _qwen_family(arch: str) -> bool:
 
 
 def _specials(arch: str) -> tuple[str, ...]:
+    if arch in QWEN35_ARCHS:
+        return _QWEN35_SPECIALS
     return _QWEN2_SPECIALS if _qwen_family(arch) else _LLAMA_SPECIALS
 
 
@@ -227,7 +232,8 @@ def tiny_config(
 ) -> dict:
     """The config.json dict of a tiny `arch` model, laid out as the Hugging Face checkpoints have it.
 
-    Qwen3.5 also takes the options of `qwen35_text_fields` (layer_types, linear-attention shapes...).
+    Qwen3.5 also takes the options of `qwen35_text_fields` (layer_types, linear-attention shapes...); the `qwen3_5`
+    form takes `vision=True` (a tiny vision tower: TINY_VISION).
     """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
@@ -235,6 +241,9 @@ def tiny_config(
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if qwen35_options and arch not in QWEN35_ARCHS:
         raise ValueError(f"options {sorted(qwen35_options)} only apply to Qwen3.5")
+    vision = qwen35_options.pop("vision", False)
+    if vision and arch != "qwen3_5":
+        raise ValueError("vision=True needs arch qwen3_5 (the image-text checkpoint form)")
     ids = special_token_ids(arch, vocab_size)
     if arch in QWEN35_ARCHS:
         text = {"model_type": "qwen3_5_text", "dtype": dtype, "hidden_act": "silu", "hidden_size": hidden_size,
@@ -245,7 +254,8 @@ def tiny_config(
                 "tie_word_embeddings": bool(tie_word_embeddings), "attention_bias": False, "attention_dropout": 0.0,
                 "eos_token_id": ids["<|im_end|>"], "bos_token_id": None, "use_cache": True,
                 **qwen35_text_fields(num_hidden_layers, rope_theta, **qwen35_options)}
-        return qwen35_config(arch, dict(sorted(text.items())))
+        config = qwen35_config(arch, dict(sorted(text.items())))
+        return config | ({"vision_config": TINY_VISION | {"out_hidden_size": hidden_size}} if vision else {})
     config = {
         "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
         "model_type": arch,
@@ -303,15 +313,26 @@ def qwen35_text_fields(layers: int, rope_theta: float, *, layer_types: list[str]
     }
 
 
+TINY_VISION = {"model_type": "qwen3_5_vision", "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+               "in_channels": 3, "patch_size": 8, "temporal_patch_size": 2, "spatial_merge_size": 2,
+               "num_position_embeddings": 16, "hidden_act": "gelu_pytorch_tanh", "initializer_range": 0.02}
+"""A tiny vision tower (out_hidden_size: the text model's hidden size); patches of 8 pixels, 2x2 merged."""
+TINY_PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "do_resize": True, "do_rescale": True,
+                     "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
+                     "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True, "patch_size": 8, "temporal_patch_size": 2,
+                     "merge_size": 2, "size": {"shortest_edge": 16 * 16 * 4, "longest_edge": 16 * 16 * 64}}
+"""Its preprocessing: images resized to 4..64 merged tokens (blocks of 16 x 16 pixels)."""
+
+
 def qwen35_config(arch: str, text: dict) -> dict:
     """A text config as the text-only checkpoint has it, or wrapped as the image-text checkpoint's."""
     if arch == "qwen3_5_text":
         return {"architectures": ["Qwen3_5ForCausalLM"], **text}
     ids = special_token_ids(arch, text["vocab_size"])
     return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
-            "tie_word_embeddings": text["tie_word_embeddings"], "image_token_id": ids["<|endoftext|>"] - 1,
-            "video_token_id": ids["<|endoftext|>"] - 2, "vision_start_token_id": ids["<|endoftext|>"] - 3,
-            "vision_end_token_id": ids["<|endoftext|>"] - 4}
+            "tie_word_embeddings": text["tie_word_embeddings"], "image_token_id": ids["<|image_pad|>"],
+            "video_token_id": ids["<|video_pad|>"], "vision_start_token_id": ids["<|vision_start|>"],
+            "vision_end_token_id": ids["<|vision_end|>"]}
 
 
 def random_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
@@ -339,8 +360,15 @@ def random_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
             x = 1.0 + 0.1 * x - offset
         elif name.endswith("linear_attn.norm.weight"):
             x = 1.0 + 0.1 * x
-        elif name.endswith("_proj.bias"):
+        elif name.endswith(".bias"):
             x = 0.1 * x
+        elif name.endswith(("norm1.weight", "norm2.weight", "merger.norm.weight")):
+            x = 1.0 + 0.1 * x
+        elif name.endswith(("qkv.weight", "attn.proj.weight", "linear_fc1.weight", "linear_fc2.weight",
+                            "patch_embed.proj.weight")):
+            x = x / np.sqrt(np.prod(shape[1:]), dtype=np.float32)
+        elif name.endswith("pos_embed.weight"):
+            x = 0.5 * x
         elif name.endswith(("_proj.weight", "_proj_qkv.weight", "_proj_z.weight", "_proj_a.weight", "_proj_b.weight")):
             x = x / np.sqrt(shape[1], dtype=np.float32)
         elif name.endswith("conv1d.weight"):
@@ -512,6 +540,8 @@ def write_tiny_checkpoint(
         tokenizer.save(str(staging / "tokenizer.json"))
         max_positions = config.get("text_config", config)["max_position_embeddings"]
         _write_json(staging / "tokenizer_config.json", tokenizer_config(arch, vocab_size, max_positions))
+        if "vision_config" in config:
+            _write_json(staging / "preprocessor_config.json", TINY_PREPROCESSOR)
         _replace_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -540,13 +570,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shards", type=int, default=1, help="number of safetensors files (default 1)")
     parser.add_argument("--awq-group-size", type=int, default=None,
                         help="quantise the projections to AutoAWQ GEMM INT4 with this group size (-1: one group)")
+    parser.add_argument("--vision", action="store_true", help="with --arch qwen3_5: a vision tower too (image input)")
     parser.add_argument("--overwrite", action="store_true", help="replace out_dir if it exists")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     try:
         path = write_tiny_checkpoint(
             args.out_dir, arch=args.arch, seed=args.seed, dtype=args.dtype, shards=args.shards,
-            overwrite=args.overwrite, awq_group_size=args.awq_group_size)
+            overwrite=args.overwrite, awq_group_size=args.awq_group_size,
+            **({"vision": True} if args.vision else {}))
     except ValueError as e:
         parser.error(str(e))
     print(path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
-from .engine import CompiledModel, GenerationError
+from .engine import CompiledModel, GenerationError, StepRow
 from .request import IncrementalDetokenizer
 from .sampling import GreedyGenerationConfig, TokenPicker, make_picker, pick_tokens
 from .scheduler import (
@@ -56,10 +56,13 @@ class BatchExecutor:
         self.last_error: Exception | None = None
 
     def submit(self, prompt_token_ids: Sequence[int], generation: GreedyGenerationConfig,
-               detokenizer: IncrementalDetokenizer | None = None) -> RequestId:
+               detokenizer: IncrementalDetokenizer | None = None, images=None) -> RequestId:
         """Queue a request; returns its id. With a `detokenizer` its text streams in the deltas (and stop strings
-        apply)."""
-        request_id = self.scheduler.submit(prompt_token_ids, generation, detokenizer)
+        apply). A prompt with images: `images` is its runtime.vision.ImagePrompt and `prompt_token_ids` its
+        expanded ids (images.token_ids)."""
+        if images is not None and self.model.vision is None:
+            raise GenerationError(f"{self.model.model_dir} has no vision encoder: it takes text prompts only")
+        request_id = self.scheduler.submit(prompt_token_ids, generation, detokenizer, images)
         self._pickers[request_id] = make_picker(generation)
         return request_id
 
@@ -75,7 +78,8 @@ class BatchExecutor:
         try:
             for src, dst in batch.copies:
                 self.model.copy_page(self.cache, src, dst)
-            rows = [(seq.token_ids, seq.start_position, seq.page_table, seq.slot) for seq in batch.sequences]
+            rows = [StepRow(seq.token_ids, seq.start_position, seq.page_table, seq.slot, seq.images)
+                    for seq in batch.sequences]
             logits = self.model.step(rows, self.cache)
         except Exception as error:  # noqa: BLE001 -- any failure of the device step: recover, keep serving
             self._recover(batch, error)

@@ -1,7 +1,8 @@
 """`python -m runtime.chat MODEL_DIR`: an interactive terminal chat that streams the reply as it is generated.
 
-Type a message and press Enter; `/reset` starts a new conversation; EOF (Ctrl-D) or Ctrl-C at the prompt
-exits, Ctrl-C during a reply stops that reply. Greedy by default; give --temperature (and optionally
+Type a message and press Enter; `/reset` starts a new conversation; `/image PATH` (an image-text model)
+attaches an image to your next message; EOF (Ctrl-D) or Ctrl-C at the prompt exits, Ctrl-C during a
+reply stops that reply. Greedy by default; give --temperature (and optionally
 --top-k, --top-p, --seed) to sample. When the conversation outgrows the model's context, the oldest
 turns are dropped (and the chat says so).
 """
@@ -30,16 +31,18 @@ def _config(args):
     return SamplingGenerationConfig(args.max_new_tokens, repetition_penalty=args.repetition_penalty, sampling=sampling)
 
 
-def fit_conversation(pipeline, history: list[dict], message: str, max_new_tokens: int) -> tuple[str, int, list[dict]]:
+def fit_conversation(pipeline, history: list[dict], message: str, max_new_tokens: int,
+                     image_tokens=lambda prompt: 0) -> tuple[str, int, list[dict]]:
     """(prompt, new tokens, history kept): the conversation rendered with `message`, without as many of the oldest
     user/assistant turns as it takes to leave room for a reply within the context, and the reply's length capped
-    by the room left. A message too long on its own is an error."""
+    by the room left (`image_tokens(prompt)`: the tokens its image placeholders add). A message too long on its own
+    is an error."""
     limit = pipeline.model.max_context
     first = 1 if history and history[0]["role"] == "system" else 0
     kept = list(history)
     while True:
         prompt = pipeline.render_chat(kept + [{"role": "user", "content": message}], add_generation_prompt=True)
-        tokens = len(pipeline.encode(prompt, add_special_tokens=False))
+        tokens = len(pipeline.encode(prompt, add_special_tokens=False)) + image_tokens(prompt)
         if tokens + max_new_tokens <= limit or len(kept) <= first:
             break
         del kept[first:first + 2]  # the oldest user message and its reply
@@ -47,6 +50,43 @@ def fit_conversation(pipeline, history: list[dict], message: str, max_new_tokens
         raise UsageError(f"this message needs {tokens} tokens with the chat template, more than the model's context "
                          f"of {limit}; send a shorter one (or /reset)")
     return prompt, min(max_new_tokens, limit - tokens), kept
+
+
+class Attachments:
+    """The images of a conversation, in order: each message holds one placeholder per image it came with."""
+
+    def __init__(self, pipeline):
+        self.pipeline = pipeline
+        self.images: list[tuple[str, int]] = []  # (path, its tokens once expanded)
+        self.pending = 0  # images attached to the next message
+        vision = pipeline.model.vision if hasattr(pipeline, "stream_images") else None
+        self.placeholder = pipeline.decode([vision.vision_start_token_id, vision.image_token_id,
+                                            vision.vision_end_token_id]) if vision else None
+
+    def attach(self, path: str) -> str:
+        """Attach an image to the next message (checked now); what to tell the user."""
+        if self.placeholder is None:
+            return "[this model takes text only: /image needs a Qwen3.5 image-text model]"
+        images = self.pipeline.image_processor.preprocess_files([path])
+        tokens = images.patch_counts[0] // self.pipeline.model.vision.merge_unit
+        self.images.append((path, tokens))
+        self.pending += 1
+        return f"(image {path} attached: {tokens} tokens; it goes with your next message)"
+
+    def message(self, line: str) -> str:
+        """The next user message's content: a placeholder per pending image, then the text."""
+        content = (self.placeholder or "") * self.pending + line
+        self.pending = 0
+        return content
+
+    def in_prompt(self, prompt: str) -> list[tuple[str, int]]:
+        """The images a rendered prompt holds: the newest ones (older turns are dropped first)."""
+        count = prompt.count(self.placeholder) if self.placeholder else 0
+        return self.images[len(self.images) - count:] if count else []
+
+    def reset(self) -> None:
+        """Forget every image."""
+        self.images, self.pending = [], 0
 
 
 def chat(pipeline, config, system: str | None, read=input, write=sys.stdout.write) -> None:
@@ -57,6 +97,8 @@ def chat(pipeline, config, system: str | None, read=input, write=sys.stdout.writ
 
     history = [{"role": "system", "content": system}] if system else []
     stream_text = pipeline.stream_text_sampled if isinstance(config, SamplingGenerationConfig) else pipeline.stream_text
+    attachments = Attachments(pipeline)
+    image_tokens = lambda prompt: sum(tokens - 1 for _, tokens in attachments.in_prompt(prompt))  # noqa: E731
     while True:
         try:
             line = read("> ")
@@ -70,12 +112,20 @@ def chat(pipeline, config, system: str | None, read=input, write=sys.stdout.writ
             continue
         if line.strip() == "/reset":
             history = history[:1] if system else []
+            attachments.reset()
             write("(new conversation)\n")
+            continue
+        if line.split(maxsplit=1)[:1] == ["/image"]:
+            try:
+                write(attachments.attach(line.strip()[len("/image"):].strip()) + "\n")
+            except RudaError as e:
+                write(f"[{e}]\n")
             continue
         if not line.strip():
             continue
+        message = attachments.message(line)
         try:
-            prompt, new_tokens, kept = fit_conversation(pipeline, history, line, config.max_new_tokens)
+            prompt, new_tokens, kept = fit_conversation(pipeline, history, message, config.max_new_tokens, image_tokens)
         except RudaError as e:
             write(f"[{e}]\n")
             continue
@@ -83,8 +133,12 @@ def chat(pipeline, config, system: str | None, read=input, write=sys.stdout.writ
             write(f"(the conversation outgrew the context: its {(len(history) - len(kept)) // 2} oldest turn(s) are "
                   "dropped; /reset starts over)\n")
             history = kept
-        stream = stream_text(prompt, replace(config, max_new_tokens=new_tokens), add_special_tokens=False)
+        config_now = replace(config, max_new_tokens=new_tokens)
+        images = attachments.in_prompt(prompt)
         try:
+            stream = pipeline.stream_images(pipeline.encode(prompt, add_special_tokens=False), pipeline.image_processor.
+                                            preprocess_files([p for p, _ in images]), config_now) if images else \
+                stream_text(prompt, config_now, add_special_tokens=False)
             for delta in stream:
                 write(delta)
                 sys.stdout.flush()
@@ -95,7 +149,8 @@ def chat(pipeline, config, system: str | None, read=input, write=sys.stdout.writ
             write(f"\n[{e}; /reset starts a new conversation]\n")
             continue
         write("\n")
-        history += [{"role": "user", "content": line}, {"role": "assistant", "content": stream.result.generated_text}]
+        history += [{"role": "user", "content": message},
+                    {"role": "assistant", "content": stream.result.generated_text}]
 
 
 def main(argv: list[str]) -> int:

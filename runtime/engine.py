@@ -12,6 +12,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import tvm
@@ -20,10 +21,11 @@ import tvm_ffi
 import models
 from ir.contract import ATTENTION_ENTRIES, InputSpec, build_command
 from ir.errors import RudaError
-from ir.graph import PAGED_KV_ROLES, RECURRENT_ROLES, ROWS, TOKENS
+from ir.graph import PAGED_KV_ROLES, PATCHES, RECURRENT_ROLES, ROWS, TOKENS
 
 from .artifact import TARGETS, last_line, open_artifact
 from .cpu import use_all_cores
+from .vision import ImagePrompt, encoder_inputs, pack_images
 from .weights import load_params
 
 PAGED_ATTENTION_ENV = "RUDA_PAGED_ATTENTION"
@@ -68,6 +70,17 @@ class _SequenceArena:
             self.free_slots.append(slot)
 
 
+class StepRow(NamedTuple):
+    """One sequence's part of a step: its new tokens, the position of the first, its page table and state slot, and
+    for a sequence with images its ImagePrompt (the image tokens' embeddings and the rotary positions)."""
+
+    token_ids: list[int]
+    start: int
+    pages: list[int]
+    slot: int
+    images: ImagePrompt | None = None
+
+
 class KVCache:
     """One sequence's state in the model's arena: its KV pages (taken as it grows), its recurrent-state slot (for
     models with linear-attention layers), how many tokens it holds and may hold. `release()` (or dropping the
@@ -76,6 +89,7 @@ class KVCache:
     def __init__(self, arena: _SequenceArena, capacity: int, block: int, slot: int | None):
         self.arena, self.capacity, self.length, self.slot = arena, capacity, 0, slot
         self.pages: list[int] = []
+        self.images: ImagePrompt | None = None  # the sequence's images, once its prompt held some
         self._block = block
         self._release = weakref.finalize(self, arena.release, self.pages, slot)
 
@@ -174,9 +188,11 @@ class CompiledModel:
         args = [tvm.runtime.tensor(a, self.device) if isinstance(a, np.ndarray) else a for a in args]
         return self._functions[function](*args, self._params)
 
-    def forward(self, token_ids: list[int], cache: KVCache) -> np.ndarray:
+    def forward(self, token_ids: list[int], cache: KVCache, images: ImagePrompt | None = None) -> np.ndarray:
         """Append tokens to the sequence in `cache`; the logits after the last one (float32, vocab). The tokens run
-        as steps of one row: chunks of the prefill buckets, or a single token."""
+        as steps of one row: chunks of the prefill buckets, or a single token. `images`: the prompt with its images
+        (runtime.vision.image_prompt; `token_ids` are then its expanded ids), kept with the cache for the tokens
+        after it."""
         if not token_ids:
             raise GenerationError("no tokens to run; the prompt encodes to an empty sequence")
         if cache.released:
@@ -186,11 +202,17 @@ class CompiledModel:
                                   f"{cache.capacity}; create the cache for the whole request")
         self._check_token_ids(token_ids)
         cache.arena.cache.check()
+        if images is not None:
+            if cache.length:
+                raise GenerationError("images come with a sequence's prompt: pass them on the first forward() of a "
+                                      "new cache")
+            cache.images = images
         cache.reserve(cache.length + len(token_ids))
         done, logits = 0, None
         while done < len(token_ids):
             part = token_ids[done:done + self._chunk(len(token_ids) - done)]
-            logits = self.step([(part, cache.length, cache.pages, cache.slot or 0)], cache.arena.cache)[0]
+            row = StepRow(part, cache.length, cache.pages, cache.slot or 0, cache.images)
+            logits = self.step([row], cache.arena.cache)[0]
             cache.length += len(part)
             done += len(part)
         return logits
@@ -243,8 +265,8 @@ class CompiledModel:
                          for p in (src, dst)]
                 views[0].copyto(views[1])
 
-    def step(self, rows: list[tuple[list[int], int, list[int], int]], cache: "BatchCache") -> np.ndarray:
-        """Run one step: each row is (new token ids, start position, page table, state slot); logits after each
+    def step(self, rows: list[StepRow], cache: "BatchCache") -> np.ndarray:
+        """Run one step of these rows (StepRow, or a plain (token ids, start, pages, slot) tuple); logits after each
         row's last token. A failed step leaves the cache unusable."""
         cache.check()
         b = self.buckets
@@ -256,7 +278,7 @@ class CompiledModel:
             raise GenerationError(f"a batch of {len(rows)} sequences and {total} tokens exceeds the built batch steps "
                                   f"(rows {list(b.batch_rows)}, tokens {list(b.step_tokens)})")
         self._check_token_ids([t for ids, *_ in rows for t in ids])
-        bad_slot = [slot for *_, slot in rows if not 0 <= slot < b.batch_rows[-1]]
+        bad_slot = [row[3] for row in rows if not 0 <= row[3] < b.batch_rows[-1]]
         if bad_slot:
             raise GenerationError(f"state slots {bad_slot} are outside 0..{b.batch_rows[-1] - 1}")
         ids, pos_of, row_of = (np.zeros(tokens, np.int32) for _ in range(3))
@@ -265,7 +287,7 @@ class CompiledModel:
         last, seq_start, seq_len, seq_pos = (np.zeros(row_bucket, np.int32) for _ in range(4))
         seq_slot = np.full(row_bucket, -1, np.int32)
         at = 0
-        for r, (new, start, pages, slot) in enumerate(rows):
+        for r, (new, start, pages, slot, *_) in enumerate(rows):
             positions = np.arange(start, start + len(new))
             page_ids = np.asarray(pages, np.int32)
             ids[at:at + len(new)], pos_of[at:at + len(new)], row_of[at:at + len(new)] = new, positions, r
@@ -277,6 +299,8 @@ class CompiledModel:
         values = {"token_ids": ids, "token_positions": pos_of, "token_rows": row_of, "kv_slots": slots,
                   "block_table": table, "last_tokens": last, "token_count": total, "seq_start": seq_start,
                   "seq_len": seq_len, "seq_pos": seq_pos, "seq_slot": seq_slot}
+        if self.vision is not None:
+            values |= self._multimodal_values([StepRow(*row) for row in rows], tokens)
         entry = ATTENTION_ENTRIES[cache.attention]
         try:
             out = self._call(b.function_name(entry, {TOKENS: tokens, ROWS: row_bucket}), entry, values, cache.tensors)
@@ -286,3 +310,54 @@ class CompiledModel:
                                   "so this cache can no longer be used: create a new one (new_cache() for one "
                                   "sequence, new_batch_cache() for a batch)") from e
         return out.numpy()[:len(rows)]
+
+    def _multimodal_values(self, rows: list[StepRow], tokens: int) -> dict[str, np.ndarray]:
+        """The image inputs of a step: image tokens' embeddings and mask, every token's rotary position."""
+        embeds = np.zeros((tokens, self.config.hidden_size), np.float32)
+        mask = np.zeros(tokens, np.int32)
+        positions = np.zeros((tokens, 3), np.int32)
+        at = 0
+        for row in rows:
+            n = len(row.token_ids)
+            if row.images is None:
+                positions[at:at + n] = np.arange(row.start, row.start + n)[:, None]
+            else:
+                positions[at:at + n] = row.images.rope_positions(row.start, n)
+                image_rows = row.images.rows(row.start, n)
+                mask[at:at + n] = image_rows >= 0
+                embeds[at:at + n][image_rows >= 0] = row.images.embeddings[image_rows[image_rows >= 0]]
+            at += n
+        return {"input_embeddings": embeds, "embedding_mask": mask, "rope_positions": positions}
+
+    @property
+    def vision(self):
+        """The vision encoder's config (models.qwen3_5_vision.VisionConfig), or None for a text-only model."""
+        return getattr(self.config, "vision", None)
+
+    def encode_images(self, pixels: np.ndarray, grids: list[tuple[int, int, int]]) -> list[np.ndarray]:
+        """Each image's embeddings [its tokens, hidden] from its preprocessed patches (`pixels`: every image's patches
+        in order, [patches, patch values]; `grids`: each image's (t, h, w)). Images share encoder calls while they
+        fit the largest patch bucket."""
+        if self.vision is None:
+            raise GenerationError(f"{self.model_dir} has no vision encoder (config.json declares no vision_config): "
+                                  "it takes text only")
+        buckets = self.buckets.image_patches
+        counts = [int(np.prod(g)) for g in grids]
+        too_big = [(i, n) for i, n in enumerate(counts) if n > buckets[-1]]
+        if too_big:
+            i, n = too_big[0]
+            raise GenerationError(f"image {i + 1} has {n} patches, more than the largest image bucket "
+                                  f"({buckets[-1]} patches): rebuild with a larger --image-patch-buckets "
+                                  f"(e.g. {','.join(map(str, buckets[:-1] + (n,)))}), or lower max_pixels in "
+                                  "preprocessor_config.json")
+        starts = np.cumsum([0] + counts)
+        out: list[np.ndarray] = []
+        for call in pack_images(counts, buckets[-1]):
+            first, end = int(starts[call[0]]), int(starts[call[-1] + 1])
+            bucket = next(b for b in buckets if b >= end - first)
+            values = encoder_inputs(pixels[first:end], [grids[i] for i in call], self.vision, bucket)
+            merged = self._call(self.buckets.function_name("encode_image", {PATCHES: bucket}), "encode_image", values,
+                                []).numpy()
+            tokens = np.cumsum([0] + [counts[i] // self.vision.merge_unit for i in call])
+            out += [merged[tokens[k]:tokens[k + 1]] for k in range(len(call))]
+        return out

@@ -1,12 +1,14 @@
 """`python -m runtime.generate`: run a prebuilt artifact greedily on a raw prompt, or on a file of prompts.
 
-    python -m runtime.generate MODEL_DIR PROMPT [MAX_NEW_TOKENS=32 (Qwen3.5: 8)] [RUNS=1] [--artifact PATH] [--device cpu|cuda]
+    python -m runtime.generate MODEL_DIR PROMPT [MAX_NEW_TOKENS=32 (Qwen3.5: 8)] [RUNS=1] [--image PATH ...]
+                               [--artifact PATH] [--device cpu|cuda]
     python -m runtime.generate MODEL_DIR --batch FILE [--max-new-tokens 32] [--artifact PATH] [--device cpu|cuda]
 
 Prompts are encoded as is (the tokenizer's own special-token template, no chat template). Prints
 JSON lines: one `load` line, then one `run` line per run; with --batch (one prompt per line, all
 served at once by continuous batching; the artifact needs --batch-rows), one `result` line per
-prompt as it finishes, then a `summary` line.
+prompt as it finishes, then a `summary` line. With --image (a Qwen3.5 image-text model), the prompt
+holds one <|vision_start|><|image_pad|><|vision_end|> per image, images in prompt order.
 """
 
 from __future__ import annotations
@@ -38,10 +40,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batch", metavar="FILE", help="serve every line of FILE as a prompt, all at once")
     parser.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"),
                         help="with --batch: new tokens per prompt (default 32, Qwen3.5: 8)")
+    parser.add_argument("--image", action="append", default=[], metavar="PATH",
+                        help="an image (JPEG, PNG) for the prompt's next image placeholder; repeat for more")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     if (args.prompt is None) == (args.batch is None):
         parser.error("give either PROMPT or --batch FILE")
+    if args.image and args.batch:
+        parser.error("--image goes with PROMPT, not with --batch")
     prompts = _read_prompts(args.batch) if args.batch else [_text(args.prompt, "PROMPT")]
 
     from .pipeline import QWEN35_TYPES, load_pipeline  # after the arguments are checked: loads TVM
@@ -59,7 +65,7 @@ def main(argv: list[str]) -> int:
         return 0
     config = GreedyGenerationConfig(max_new_tokens=args.max_new_tokens or default_new)
     for run in range(args.runs):
-        r = pipeline.generate_text(prompts[0], config, add_special_tokens=True, skip_special_tokens=True)
+        r = _generate(pipeline, prompts[0], args.image, config)
         decode_steps = len(r.generated_token_ids) - 1
         print(json.dumps({
             "event": "run", "run": run, "text": r.text, "generated_text": r.generated_text,
@@ -71,6 +77,18 @@ def main(argv: list[str]) -> int:
             "decode_tokens_per_s": round(decode_steps / r.decode_seconds, 2) if decode_steps else None,
         }), flush=True)
     return 0
+
+
+def _generate(pipeline, prompt: str, images: list[str], config):
+    """One greedy run of the prompt (with its images, if any)."""
+    from .engine import GenerationError
+
+    if not images:
+        return pipeline.generate_text(prompt, config, add_special_tokens=True, skip_special_tokens=True)
+    if not hasattr(pipeline, "generate_image_files_greedy"):
+        raise GenerationError(f"--image: {pipeline.model.model_dir} is a text-only model (config.json declares no "
+                              "vision_config); leave --image out, or use a Qwen3.5 image-text checkpoint")
+    return pipeline.generate_image_files_greedy(pipeline.encode(prompt), images, config=config)
 
 
 def _text(value: str, what: str) -> str:

@@ -9,6 +9,7 @@ from typing import Iterator, Sequence
 from .engine import CompiledModel, GenerationError
 from .request import IncrementalDetokenizer, RequestState
 from .sampling import GreedyGenerationConfig, make_picker
+from .vision import ImagePrompt
 
 
 @dataclass
@@ -29,13 +30,16 @@ class TokenStream:
 
     EOS ids are `config.eos_token_ids`, or `default_eos` when the config leaves them None. The request's
     RequestState (`state`) decides when it stops; a generated EOS id is the stream's last item. With a
-    `detokenizer`, `state.text` grows with the reply (and stop strings apply).
+    `detokenizer`, `state.text` grows with the reply (and stop strings apply). With `images` (a prompt with images,
+    runtime.vision.image_prompt), `prompt_ids` are its expanded ids.
     """
 
     def __init__(self, model: CompiledModel, prompt_ids: Sequence[int], config: GreedyGenerationConfig,
-                 default_eos: Sequence[int] = (), detokenizer: IncrementalDetokenizer | None = None):
+                 default_eos: Sequence[int] = (), detokenizer: IncrementalDetokenizer | None = None,
+                 images: ImagePrompt | None = None):
         self.model = model
         self.config = config
+        self.images = images
         prompt = [int(t) for t in prompt_ids]
         model.check_request(len(prompt), config.max_new_tokens)
         if config.stop_strings and detokenizer is None:
@@ -56,7 +60,7 @@ class TokenStream:
         pick = make_picker(self.config)
         try:
             start = time.perf_counter()
-            logits = self.model.forward(self.state.prompt, self.cache)
+            logits = self.model.forward(self.state.prompt, self.cache, self.images)
             token = pick(logits, self.state.tokens)  # repetition penalties look at the prompt and the reply so far
             self.prefill_seconds = time.perf_counter() - start
             while True:

@@ -16,12 +16,14 @@ from .generation import TokenStream
 from .request import IncrementalDetokenizer
 from .sampling import GenerationConfigError, GreedyGenerationConfig, SamplingGenerationConfig
 from .tokenizer import Tokenizer, default_eos_token_ids
+from .vision import ImagePrompt
 
 DEFAULT_GREEDY = GreedyGenerationConfig()
 LOADERS = {"llama": "load_huggingface_llama_pipeline", "qwen2": "load_huggingface_qwen2_pipeline",
            "qwen3_5": "load_huggingface_qwen35_text", "qwen3_5_text": "load_huggingface_qwen35_text"}
 AWQ_LOADERS = {"qwen2": "load_huggingface_awq_qwen2_pipeline", "llama": "load_pipeline"}  # Llama AWQ: no own loader
 QWEN35_TYPES = ("qwen3_5", "qwen3_5_text")
+MULTIMODAL_LOADER = "load_huggingface_qwen35_multimodal"  # an image-text checkpoint (config with a vision_config)
 
 
 @dataclass
@@ -40,14 +42,17 @@ class GeneratedText:
 
 
 class TextStream:
-    """Iterates text deltas of one generation (never splitting a character); then `result` is set."""
+    """Iterates text deltas of one generation (never splitting a character); then `result` is set.
 
-    def __init__(self, pipeline: "Pipeline", prompt: str, config: GreedyGenerationConfig,
-                 add_special_tokens: bool, skip_special_tokens: bool):
-        self._prompt = prompt
-        self._tokens = TokenStream(pipeline.model, pipeline.encode(prompt, add_special_tokens), config,
+    `prompt_ids` are the prompt's own ids (what the result reports); with `images` (runtime.vision.ImagePrompt) the
+    model runs on its expanded ids and image embeddings."""
+
+    def __init__(self, pipeline: "Pipeline", prompt: str, prompt_ids: list[int], config: GreedyGenerationConfig,
+                 skip_special_tokens: bool, images: ImagePrompt | None = None):
+        self._prompt, self._prompt_ids = prompt, prompt_ids
+        self._tokens = TokenStream(pipeline.model, images.token_ids if images else prompt_ids, config,
                                    pipeline.default_eos_token_ids,
-                                   IncrementalDetokenizer(pipeline.tokenizer.decode, skip_special_tokens))
+                                   IncrementalDetokenizer(pipeline.tokenizer.decode, skip_special_tokens), images)
         self.result: GeneratedText | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -57,7 +62,7 @@ class TextStream:
                 yield state.text[shown:]
                 shown = len(state.text)
         r = self._tokens.result()
-        self.result = GeneratedText(self._prompt + state.text, state.text, r.generated_token_ids, r.prompt_token_ids,
+        self.result = GeneratedText(self._prompt + state.text, state.text, r.generated_token_ids, self._prompt_ids,
                                     r.stopped_on_eos, r.finish_reason, r.prefill_seconds, r.decode_seconds)
 
 
@@ -96,16 +101,15 @@ class Pipeline:
     def stream_text(self, prompt: str, config: GreedyGenerationConfig = DEFAULT_GREEDY,
                     add_special_tokens: bool = True, skip_special_tokens: bool = True) -> TextStream:
         """Greedy generation as a stream of text deltas."""
-        if not isinstance(config, GreedyGenerationConfig) or isinstance(config, SamplingGenerationConfig):
-            raise GenerationConfigError(f"config must be a GreedyGenerationConfig, got {type(config).__name__}")
-        return TextStream(self, prompt, config, add_special_tokens, skip_special_tokens)
+        _check_greedy(config)
+        return TextStream(self, prompt, self.encode(prompt, add_special_tokens), config, skip_special_tokens)
 
     def stream_text_sampled(self, prompt: str, config: SamplingGenerationConfig,
                             add_special_tokens: bool = True, skip_special_tokens: bool = True) -> TextStream:
         """Sampled generation as a stream of text deltas."""
         if not isinstance(config, SamplingGenerationConfig):
             raise GenerationConfigError(f"config must be a SamplingGenerationConfig, got {type(config).__name__}")
-        return TextStream(self, prompt, config, add_special_tokens, skip_special_tokens)
+        return TextStream(self, prompt, self.encode(prompt, add_special_tokens), config, skip_special_tokens)
 
     def generate_text(self, prompt: str, config: GreedyGenerationConfig = DEFAULT_GREEDY,
                       add_special_tokens: bool = True, skip_special_tokens: bool = True) -> GeneratedText:
@@ -116,6 +120,12 @@ class Pipeline:
                               add_special_tokens: bool = True, skip_special_tokens: bool = True) -> GeneratedText:
         """Sampled generation: temperature, top-k, top-p, seeded draw."""
         return _finish(self.stream_text_sampled(prompt, config, add_special_tokens, skip_special_tokens))
+
+
+def _check_greedy(config) -> None:
+    """Refuse a config that is not a greedy one."""
+    if not isinstance(config, GreedyGenerationConfig) or isinstance(config, SamplingGenerationConfig):
+        raise GenerationConfigError(f"config must be a GreedyGenerationConfig, got {type(config).__name__}")
 
 
 def _checked_text(text) -> str:
@@ -135,14 +145,14 @@ def _finish(stream: TextStream) -> GeneratedText:
     return stream.result
 
 
-def _load(model_dir: str | Path, artifact, device: str, expected: tuple[str, ...] | None,
-          awq: bool = False) -> Pipeline:
-    """A pipeline, if the checkpoint is of an `expected` model type (None: any) and quantised with AWQ or not as
+def loaded_config(model_dir: str | Path, expected: tuple[str, ...] | None, awq: bool = False) -> models.DecoderConfig:
+    """The checkpoint's config, if it is of an `expected` model type (None: any) and quantised with AWQ or not as
     `awq` says; else an error naming the loader that takes it."""
     raw, path = read_config_json(model_dir)
     config = models.parse_config(raw, str(path))
     quantised = config.quantization is not None
-    right = (AWQ_LOADERS if quantised else LOADERS).get(config.model_type, "load_pipeline")
+    right = MULTIMODAL_LOADER if getattr(config, "vision", None) else (AWQ_LOADERS if quantised else LOADERS).get(
+        config.model_type, "load_pipeline")
     if expected is not None and config.model_type not in expected:
         raise models.ModelConfigError(f"{path}: model_type is {config.model_type!r}, not {' or '.join(expected)}; "
                                       f"use {right} (or load_pipeline)")
@@ -151,13 +161,24 @@ def _load(model_dir: str | Path, artifact, device: str, expected: tuple[str, ...
             "quantization_config)"
         raise models.ModelConfigError(f"{path}: the checkpoint holds {what}; use {right}" +
                                       ("" if right == "load_pipeline" else " (or load_pipeline)"))
+    return config
+
+
+def _load(model_dir: str | Path, artifact, device: str, expected: tuple[str, ...] | None,
+          awq: bool = False) -> Pipeline:
+    """A text pipeline, if the checkpoint is what the loader expects (see loaded_config)."""
+    loaded_config(model_dir, expected, awq)
     return Pipeline(model_dir, artifact, device)
 
 
 def load_pipeline(model_dir: str | Path, artifact: str | Path | None = None,
                   device: str = "cpu") -> Pipeline:
-    """A pipeline for any supported checkpoint (dispatch on config.json's model_type)."""
-    return _load(model_dir, artifact, device, None)
+    """A pipeline for any supported checkpoint (dispatch on config.json's model_type; an image-text checkpoint
+    gets the multimodal pipeline)."""
+    if getattr(loaded_config(model_dir, None), "vision", None):
+        from .multimodal import MultimodalPipeline
+        return MultimodalPipeline(model_dir, artifact, device)
+    return Pipeline(model_dir, artifact, device)
 
 
 def load_huggingface_llama_pipeline(model_dir: str | Path, artifact: str | Path | None = None,

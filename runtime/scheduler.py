@@ -18,7 +18,7 @@ import numbers
 from collections import deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field, fields
-from typing import NewType
+from typing import Any, NewType
 
 from ir.errors import RudaError
 
@@ -99,6 +99,7 @@ class ScheduledSequence:
 
     `final`: the row reaches the request's last token, so its next token is generated (else it is a non-final
     prefill chunk, whose token the scheduler discards). `slot`: the request's recurrent-state slot while it runs.
+    `images`: the request's images (runtime.vision.ImagePrompt), if its prompt holds any.
     """
 
     request_id: RequestId
@@ -108,6 +109,7 @@ class ScheduledSequence:
     page_table: list[int]
     final: bool = True
     slot: int = 0
+    images: Any = None
 
 
 @dataclass(frozen=True)
@@ -253,9 +255,10 @@ class _PagePool:
 class _Request:
     """A request's state (tokens, text, finish decision) and its scheduling progress."""
 
-    def __init__(self, request_id: RequestId, state: RequestState):
+    def __init__(self, request_id: RequestId, state: RequestState, images=None):
         self.id = request_id
         self.state = state
+        self.images = images  # runtime.vision.ImagePrompt of a prompt with images, else None
         self.pages: list[int] = []  # physical pages for positions [0, len(pages) * block_size)
         self.num_computed = 0  # positions whose KV is in the pages
         self.prefilled = False  # the whole history but the last token is cached: the next row is a decode
@@ -268,12 +271,16 @@ class _Request:
         return self.state.tokens
 
     def page_digest(self, index: int, block_size: int) -> bytes:
-        """The hash of full page `index`'s tokens chained with the previous page's hash."""
+        """The hash of full page `index`'s tokens, and of the images any of them belong to (an image's tokens are
+        all the same placeholder id), chained with the previous page's hash."""
         while len(self._digests) <= index:
             n = len(self._digests)
-            chunk = self.tokens[n * block_size:(n + 1) * block_size]
+            first, end = n * block_size, (n + 1) * block_size
+            chunk = ",".join(map(str, self.tokens[first:end])).encode()
+            spans = self.images.digests if self.images is not None else ()
+            chunk += b"".join(digest for start, stop, digest in spans if start < end and stop > first)
             previous = self._digests[-1] if self._digests else b""
-            self._digests.append(hashlib.sha256(previous + ",".join(map(str, chunk)).encode()).digest())
+            self._digests.append(hashlib.sha256(previous + chunk).digest())
         return self._digests[index]
 
 
@@ -378,10 +385,13 @@ class ContinuousBatchScheduler:
         return bool(self._running or self._waiting)
 
     def submit(self, prompt_token_ids, generation: GreedyGenerationConfig,
-               detokenizer: IncrementalDetokenizer | None = None) -> RequestId:
+               detokenizer: IncrementalDetokenizer | None = None, images=None) -> RequestId:
         """Queue a request; its eos_token_ids=None means the scheduler's default_eos_token_ids. With a `detokenizer`
-        the request's text grows as it generates (stop strings need one)."""
+        the request's text grows as it generates (stop strings need one). `images`: the prompt's images
+        (runtime.vision.ImagePrompt, whose expanded token ids the prompt must be)."""
         prompt = _token_ids(prompt_token_ids, "prompt_token_ids")
+        if images is not None and list(images.token_ids) != prompt:
+            raise SchedulerError("prompt_token_ids must be the image prompt's expanded token ids (images.token_ids)")
         if not prompt:
             raise SchedulerError("prompt_token_ids is empty: a request needs at least one prompt token")
         if not isinstance(generation, GreedyGenerationConfig):
@@ -400,7 +410,7 @@ class ContinuousBatchScheduler:
             raise SchedulerError("stop_strings need the reply's text: submit the request with a detokenizer")
         eos = self._default_eos if generation.eos_token_ids is None else generation.eos_token_ids
         state = RequestState(prompt, generation.max_new_tokens, eos, limit, generation.stop_strings, detokenizer)
-        request = _Request(RequestId(self._next_request_id), state)
+        request = _Request(RequestId(self._next_request_id), state, images)
         self._next_request_id += 1
         self._waiting.append(request)
         self._unfinished[request.id] = request
@@ -663,7 +673,7 @@ class ContinuousBatchScheduler:
         decodes = sum(request.prefilled for request, _, _ in draft.rows)
         kind = BatchKind.DECODE if decodes == len(draft.rows) else BatchKind.PREFILL
         sequences = [ScheduledSequence(request.id, request.tokens[start:end], start, end, list(request.pages),
-                                       end == len(request.tokens), request.slot)
+                                       end == len(request.tokens), request.slot, request.images)
                      for request, start, end in draft.rows]
         batch = ScheduledBatch(self._next_batch_id, kind, sequences, list(draft.copies))
         self._next_batch_id += 1

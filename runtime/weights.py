@@ -49,6 +49,7 @@ def awq_tiles(qweight: np.ndarray) -> np.ndarray:
 
 TRANSFORMS = {
     "copy": lambda arrays: arrays[:1],
+    "flatten": lambda arrays: [arrays[0].reshape(arrays[0].shape[0], -1)],
     "awq_tiles": lambda arrays: [awq_tiles(arrays[0]), *arrays[1:]],
 }
 """The weight map's transforms (ir.graph.WEIGHT_TRANSFORMS): source arrays -> the arrays the param is passed as."""

@@ -271,15 +271,15 @@ def _unpacked_weights(sch: s_tir.Schedule, unpack, k_block, lanes: int) -> None:
 
 
 def _norm(sch: s_tir.Schedule, lanes: int) -> None:
-    """RMSNorm (with or without a fused residual add): one row per task, vectorised over features; the residual
-    sum before it across the cores."""
+    """RMSNorm (with or without a fused residual add) and LayerNorm: one row per task, vectorised over features; the
+    residual sum before it across the cores."""
     block = sch.get_sblock(stages.NORM)
     row, col = sch.get_loops(block)
     if (static_extent(sch, col) or 1) % lanes == 0:
         sch.vectorize(sch.split(col, [None, lanes])[1])
     sch.parallel(row)
-    for producer in sch.get_producers(block):
-        if stages.is_reduction(sch, producer):  # the sum of squares: per row, right before the row is scaled
+    for producer in reversed(sch.get_producers(block)):  # the last first: LayerNorm's variance needs its mean
+        if stages.is_reduction(sch, producer):  # the row's sums: per row, right before the row is scaled
             sch.compute_at(producer, row)
         else:  # add_rms_norm's residual sum: an output of its own, over all rows
             _spatial(sch, producer, lanes)
@@ -339,8 +339,8 @@ def _vector_dots(sch: s_tir.Schedule, scores, partial) -> None:
     sch.decompose_reduction(partial, step)
 
 
-SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "paged_attention": _attention,
-             "padded_attention": _attention, "batch_gated_delta_rule": _delta_rule}
+SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "layer_norm": _norm,
+             "paged_attention": _attention, "padded_attention": _attention, "image_attention": _attention, "batch_gated_delta_rule": _delta_rule}
 
 
 def _written(func: tirx.PrimFunc, kind: str, lanes: int, amx: bool, attrs: dict | None) -> tirx.PrimFunc | None:

@@ -183,3 +183,55 @@ def padded_attention(q, k_hist, v_hist, row_of, pos_of, **attrs):
         ctx = pos_of[t] + 1
         out[t] = attention(q[t:t + 1], k_hist[row_of[t], :ctx], v_hist[row_of[t], :ctx], ctx - 1, 1, **attrs)[0]
     return out
+
+
+def rope_axes(x, pos, head_dim, inv_freq, pos_axes):
+    """rope whose frequency f turns by the row's position on axis pos_axes[f] (multimodal rotary)."""
+    inv_freq = np.asarray(inv_freq, dtype=np.float32)
+    half = len(inv_freq)
+    t, f = x.shape
+    heads = x.reshape(t, f // head_dim, head_dim).copy()
+    angle = pos[:, pos_axes].astype(np.float32) * inv_freq[None, :]
+    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+    a, b = heads[..., :half].copy(), heads[..., half:2 * half].copy()
+    heads[..., :half] = a * cos - b * sin
+    heads[..., half:2 * half] = b * cos + a * sin
+    return heads.reshape(t, f)
+
+
+def layer_norm(x, w, b, eps):
+    mean = x.mean(axis=1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * f32(w) + f32(b)
+
+
+def gelu(x, approximate):
+    if approximate == "tanh":
+        return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+    from math import erf
+    return 0.5 * x * (1 + np.vectorize(erf)(x / np.sqrt(2)))
+
+
+def image_attention(q, k, v, images, num_heads, head_dim, scale):
+    rows = q.shape[0]
+    out = np.zeros_like(q)
+    for i in range(rows):
+        same = images == images[i]
+        for h in range(num_heads):
+            cols = slice(h * head_dim, (h + 1) * head_dim)
+            s = k[same, cols] @ q[i, cols] * scale
+            p = np.exp(s - s.max())
+            out[i, cols] = (p / p.sum()) @ v[same, cols]
+    return out
+
+
+def interpolated_embedding(table, index, weight):
+    return (f32(table)[index] * weight[..., None]).sum(axis=1)
+
+
+def merge_rows(x, group):
+    return x.reshape(x.shape[0] // group, -1)
+
+
+def merge_embeddings(embedded, inputs, mask):
+    return np.where(mask[:, None] != 0, inputs, embedded)

@@ -40,7 +40,7 @@ def test_manifest_describes_the_build(tiny_factory):
     m = json.loads((artifact / MANIFEST).read_text())
     assert m["model_type"] == "qwen2" and m["target"]["kind"] == "llvm"
     assert m["buckets"] == {"prefill_tokens": [8, 16], "batch_rows": [1], "max_context": 128, "kv_pages": 8,
-                            "kv_block": 16, "entries": ["step"]}  # one row: a request is a batch of one
+                            "kv_block": 16, "entries": ["step"], "image_patches": []}  # one row: a batch of one
     assert m["kind"] == "ruda-artifact" and set(m["files"]) == {"model.so"} and len(m["files"]["model.so"]) == 64
     assert len(m["ir_hash"]) == 64 and len(m["config_hash"]) == 64 and m["tvm_version"]
     assert m["functions"] == ["step_t1_r1", "step_t8_r1", "step_t16_r1"]  # a decode step, and the prefill chunks

@@ -9,7 +9,7 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import TEST_BUCKETS
+from conftest import TEST_BUCKETS, TEST_IMAGE_PATCHES
 
 from compiler import cuda
 from compiler.build import BuildError, build
@@ -46,12 +46,15 @@ DEFAULT_VERSION = {("ptx", "sm_90"): "7.8", ("ptx", "sm_80"): "7.0", ("nvcc", "s
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("cuda")
-    return {arch: write_tiny_checkpoint(root / arch, arch=arch, dtype="bfloat16") for arch in ("qwen2", "llama", "qwen3_5")}
+    return {arch: write_tiny_checkpoint(root / arch, arch=arch, dtype="bfloat16", **({"vision": True} if arch == "qwen3_5"
+                                        else {})) for arch in ("qwen2", "llama", "qwen3_5")}  # Qwen3.5 with images
 
 
 def _build(model_dir, out, **kw):
+    vision = "vision_config" in json.loads((model_dir / "config.json").read_text())
     return build(model_dir, target="cuda", out=out, prefill_buckets=TEST_BUCKETS["prefill_tokens"],
-                 max_context=TEST_BUCKETS["max_context"], quiet=True, **kw)
+                 max_context=TEST_BUCKETS["max_context"], quiet=True,
+                 image_patches=TEST_IMAGE_PATCHES[:1] if vision else None, **kw)
 
 
 def _embedded_device_code(library) -> tuple[str, str]:
@@ -190,11 +193,19 @@ OP_SAMPLES = {
                                DELTA),
     "gather_pages": ([_t((8, 4, 32)), _t((2, 3), "int32")], {}),
     "padded_attention": ([_t((4, 64)), _t((2, 12, 32)), _t((2, 12, 32)), _t((4,), "int32"), _t((4,), "int32")], ATTN),
+    "layer_norm": ([_t((4, 64)), _t((64,), "bfloat16"), _t((64,), "bfloat16")], {"eps": 1e-6}),
+    "gelu": ([_t((4, 64))], {"approximate": "tanh"}),
+    "image_attention": ([_t((8, 64))] * 3 + [_t((8,), "int32")], {"num_heads": 4, "head_dim": 16, "scale": 0.25}),
+    "interpolated_embedding": ([_t((16, 64), "bfloat16"), _t((8, 4), "int32"), _t((8, 4))], {}),
+    "merge_rows": ([_t((8, 64))], {"group": 4, "rows": 2}),
+    "merge_embeddings": ([_t((4, 64)), _t((4, 64)), _t((4,), "int32")], {}),
 }
 GPU_CASES = [(kind, *OP_SAMPLES[kind]) for kind in sorted(OP_SAMPLES)] + [  # and the chunked form: one sequence
     ("batch_gated_delta_rule", [_t((8, 64)), _t((8, 96)), _t((8, 4, 2)), _t((4, 4, 16, 8))] + [_t((1,), "int32")] * 4,
      DELTA)] + [  # and packed weights: decode GEMVs, prefill GEMMs; groups of 32 rows or one of the whole depth
-    ("linear", _packed_linear(rows, group, bias), {}) for rows in (1, 8, 64) for group in (32, 256) for bias in (0, 1)]
+    ("linear", _packed_linear(rows, group, bias), {}) for rows in (1, 8, 64) for group in (32, 256) for bias in (0, 1)] + [
+    ("gelu", [_t((4, 64))], {"approximate": "none"}),  # erf, and multimodal rotary positions
+    ("rope", [_t((4, 64)), _t((4, 3), "int32")], {"head_dim": 16, "inv_freq": [1.0, 0.1, 0.01], "pos_axes": [0, 1, 2]})]
 
 
 def direct_ptx(func) -> str:
@@ -233,7 +244,9 @@ def test_batched_steps_build_for_cuda(checkpoints, tmp_path, arch_name):
     manifest = json.loads((out / "manifest.json").read_text())
     assert {"step_t1_r1", "step_t4_r4", "step_t16_r4", "step_gather_t16_r4"} <= set(manifest["functions"])
     kinds = {"paged_attention", "gather_pages", "padded_attention"} | (
-        {"batch_causal_conv1d", "batch_gated_delta_rule"} if arch_name == "qwen3_5" else set())
+        {"batch_causal_conv1d", "batch_gated_delta_rule", "image_attention", "layer_norm", "gelu",
+         "interpolated_embedding", "merge_rows", "merge_embeddings"} if arch_name == "qwen3_5" else set())
+    assert (f"encode_image_p{TEST_IMAGE_PATCHES[0]}" in manifest["functions"]) == (arch_name == "qwen3_5")
     assert all(any(k.startswith(kind + "_") for k in manifest["kernels"]) for kind in kinds)
     assembled = subprocess.run(["ptxas", "-arch=sm_90", str(out / "kernels.ptx"), "-o", "/dev/null"],
                                capture_output=True, text=True)

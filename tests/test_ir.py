@@ -242,7 +242,7 @@ def test_verify_rejects_stray_types():
     (lambda op: replace(op, attrs={"eps": 1e-6, "bogus": 1}), "unknown attributes"),
     (lambda op: replace(op, inputs=("s",)), "takes 2..2 inputs"),
     (lambda op: replace(op, inputs=("s", "norm.w", "norm2.w")), "takes 2..2 inputs"),
-    (lambda op: replace(op, kind="layer_norm"), "unknown op kind"),
+    (lambda op: replace(op, kind="group_norm"), "unknown op kind"),
     (lambda op: replace(op, outputs=("out", "extra")), "gives 1 outputs"),
 ])
 def test_verify_rejects_bad_op_signature(change, match):
@@ -301,6 +301,7 @@ X = _t(TOKENS, HIDDEN)
 SLICE = {"period": 4, "offset": 2, "width": 2}
 DELTA_IN = {"num_k_heads": 2, "k_dim": 2}  # q, k: 2 heads of 2; v: 2 heads of 3 (14 = 4 + 4 + 6 columns)
 DELTA = {**DELTA_IN, "num_v_heads": 2, "v_dim": 3, "chunk": 16}
+IMAGE_ATTN = {"num_heads": 2, "head_dim": HIDDEN // 2, "scale": 0.5}
 
 GOOD = {
     "embedding": ([_t(64, HIDDEN, dtype="bfloat16"), _t(TOKENS, dtype=I32)], {}, [X]),
@@ -326,6 +327,12 @@ GOOD = {
     "gather_pages": ([_t(9, 4, KV), _t(ROWS, 3, dtype=I32)], {}, [_t(ROWS, 12, KV)]),
     "padded_attention": ([X, _t(ROWS, 12, KV), _t(ROWS, 12, KV), _t(TOKENS, dtype=I32), _t(TOKENS, dtype=I32)], ATTN,
                          [X]),
+    "layer_norm": ([X, _t(HIDDEN, dtype="bfloat16"), _t(HIDDEN, dtype="bfloat16")], {"eps": 1e-6}, [X]),
+    "gelu": ([X], {"approximate": "tanh"}, [X]),
+    "image_attention": ([X, X, X, _t(TOKENS, dtype=I32)], IMAGE_ATTN, [X]),
+    "interpolated_embedding": ([_t(16, HIDDEN), _t(TOKENS, 4, dtype=I32), _t(TOKENS, 4)], {}, [X]),
+    "merge_rows": ([_t(8, HIDDEN)], {"group": 4, "rows": 2}, [_t(2, 4 * HIDDEN)]),
+    "merge_embeddings": ([X, X, _t(TOKENS, dtype=I32)], {}, [X]),
 }
 
 
@@ -396,6 +403,22 @@ BAD = [
     ("padded_attention histories differ", _with("padded_attention", 2, _t(ROWS, 8, KV))),
     ("padded_attention history width", _with("padded_attention", 1, _t(ROWS, 12, KV + 1))),
     ("padded_attention pos_of length", _with("padded_attention", 4, _t(2, dtype=I32))),
+    ("rope pos_axes without per-axis positions", ("rope", GOOD["rope"][0], {**ROPE, "pos_axes": [0, 0]})),
+    ("rope pos_axes beyond the axes", ("rope", [X, _t(TOKENS, 2, dtype=I32)], {**ROPE, "pos_axes": [0, 2]})),
+    ("rope pos_axes too few", ("rope", [X, _t(TOKENS, 3, dtype=I32)], {**ROPE, "pos_axes": [0]})),
+    ("layer_norm bias size", _with("layer_norm", 2, _t(HIDDEN + 1))),
+    ("layer_norm input rank 1", _with("layer_norm", 0, _t(HIDDEN))),
+    ("gelu unknown approximation", ("gelu", [X], {"approximate": "sigmoid"})),
+    ("gelu input int", ("gelu", [_t(TOKENS, HIDDEN, dtype=I32)], {"approximate": "none"})),
+    ("image_attention heads do not fit", ("image_attention", GOOD["image_attention"][0], {**IMAGE_ATTN, "num_heads": 3})),
+    ("image_attention key differs", _with("image_attention", 1, _t(TOKENS, HIDDEN * 2))),
+    ("image_attention images float", _with("image_attention", 3, _t(TOKENS))),
+    ("interpolated_embedding weight int", _with("interpolated_embedding", 2, _t(TOKENS, 4, dtype=I32))),
+    ("interpolated_embedding taps differ", _with("interpolated_embedding", 2, _t(TOKENS, 2))),
+    ("merge_rows wrong row count", ("merge_rows", [_t(8, HIDDEN)], {"group": 4, "rows": 3})),
+    ("merge_rows group zero", ("merge_rows", [_t(8, HIDDEN)], {"group": 0, "rows": 2})),
+    ("merge_embeddings mask float", _with("merge_embeddings", 2, _t(TOKENS))),
+    ("merge_embeddings inputs width", _with("merge_embeddings", 1, _t(TOKENS, HIDDEN + 1))),
 ]
 
 
@@ -505,7 +528,7 @@ def test_stable_hash_is_stable_and_sensitive():
 
 def test_from_json_refuses_unknown_format():
     d = json.loads(to_json(_program("qwen2")))
-    for version in (1, 2, 3, 5, 0, None, "4"):
+    for version in (1, 2, 3, 4, 6, 0, None, "5"):
         bad = {**d, "format": version}
         with pytest.raises(ValueError, match="format"):
             from_json(json.dumps(bad))
@@ -604,7 +627,7 @@ def test_weight_map_transforms_are_checked_and_implemented():
     name = next(iter(program.params))
     assert program.params[name].source_tensors == (name,)  # float checkpoints: each param is its own tensor
     for changed, match in [({"transform": "dequantise"}, "transform 'dequantise'"),
-                           ({"sources": ("a", "b")}, "needs .copy. of 1 source")]:
+                           ({"sources": ("a", "b")}, "needs .copy. or .flatten. of 1 source")]:
         bad = replace(program, params={**program.params, name: replace(program.params[name], **changed)})
         with pytest.raises(IRError, match=match):
             verify(bad)

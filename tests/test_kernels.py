@@ -277,3 +277,54 @@ def test_gather_pages_then_padded_attention_equals_paged_attention():
     got = run_kernel("padded_attention", [q, k_hist, v_hist, row_of, pos_of], attrs)[0]
     close(got, ref.padded_attention(q, k_hist, v_hist, row_of, pos_of, **attrs), tol=1e-4)
     close(got, ref.paged_attention(q, k_pages, v_pages, table, row_of, pos_of, **attrs), tol=1e-4)
+
+
+@pytest.mark.parametrize("axes", [2, 3])
+def test_rope_with_a_position_per_axis(axes):
+    x = rand(6, 48)
+    positions = RNG.integers(0, 300, (6, axes)).astype(np.int32)
+    inv_freq = [1.0 / 10000 ** (2 * i / 12) for i in range(6)]
+    pos_axes = [int(a) for a in RNG.integers(0, axes, 6)]
+    attrs = {"head_dim": 16, "inv_freq": inv_freq, "pos_axes": pos_axes}
+    close(run_kernel("rope", [x, positions], attrs)[0], ref.rope_axes(x, positions, 16, inv_freq, pos_axes), tol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 40)])
+def test_layer_norm(dtype, rows, hidden):
+    x, w, b = rand(rows, hidden, scale=3.0) + 2.0, rand(hidden, dtype=dtype), rand(hidden, dtype=dtype)
+    close(run_kernel("layer_norm", [x, w, b], {"eps": 1e-6})[0], ref.layer_norm(x, w, b, 1e-6), tol=1e-4)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu(approximate):
+    x = rand(5, 40, scale=3.0)
+    close(run_kernel("gelu", [x], {"approximate": approximate})[0], ref.gelu(x, approximate), tol=1e-5)
+
+
+def test_image_attention_stays_within_each_image():
+    q, k, v = rand(12, 32), rand(12, 32), rand(12, 32)
+    images = np.array([0] * 4 + [1] * 6 + [-1] * 2, np.int32)  # two images and two padding patches
+    attrs = {"num_heads": 2, "head_dim": 16, "scale": 0.25}
+    got = run_kernel("image_attention", [q, k, v, images], attrs)[0]
+    close(got, ref.image_attention(q, k, v, images, **attrs), tol=1e-4)
+    v2 = v.copy()
+    v2[4:] += 10.0  # another image's values do not reach the first image's patches
+    close(run_kernel("image_attention", [q, k, v2, images], attrs)[0][:4], got[:4], tol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_interpolated_embedding(dtype):
+    table = rand(16, 24, dtype=dtype)
+    index = RNG.integers(0, 16, (7, 4)).astype(np.int32)
+    weight = RNG.random((7, 4)).astype(np.float32)
+    close(run_kernel("interpolated_embedding", [table, index, weight], {})[0],
+          ref.interpolated_embedding(table, index, weight))
+
+
+def test_merge_rows_and_merge_embeddings():
+    x = rand(8, 6)
+    close(run_kernel("merge_rows", [x], {"group": 4, "rows": 2})[0], ref.merge_rows(x, 4))
+    embedded, inputs = rand(5, 6), rand(5, 6)
+    mask = np.array([0, 1, 1, 0, 1], np.int32)
+    close(run_kernel("merge_embeddings", [embedded, inputs, mask], {})[0], ref.merge_embeddings(embedded, inputs, mask))

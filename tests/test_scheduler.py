@@ -803,3 +803,34 @@ def test_importing_the_scheduler_does_not_load_tvm():
     code = "import sys; import runtime.scheduler; from runtime import ContinuousBatchScheduler; print('tvm' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+class Images:
+    """A stand-in for runtime.vision.ImagePrompt: expanded token ids and each image's (start, end, digest)."""
+
+    def __init__(self, token_ids, digests):
+        self.token_ids, self.digests = token_ids, digests
+
+
+def test_prefix_pages_of_image_tokens_are_shared_only_for_the_same_images():
+    """The image tokens of two prompts are the same placeholder id: only the images' digests tell them apart."""
+    scheduler, executor = make(block_size=4, num_pages=16, max_tokens=32)
+    prompt = [3, 7, 7, 7, 7, 7, 7, 1, 2]  # an image's six tokens (7) at 1..7, then text: two full pages
+    seen = Images(prompt, [(1, 7, b"cat")])
+    first = scheduler.submit(prompt, greedy(max_new_tokens=2), images=seen)
+    executor.histories[first] = list(prompt)
+    executor.requests[first] = (list(prompt), greedy(max_new_tokens=2))
+    executor.drain()
+    assert scheduler.cached_pages == 2
+    for digest, shared in ((b"dog", 0), (b"cat", 2)):  # both pages hold image tokens: another image shares neither
+        before = scheduler.stats.prefix_hit_pages
+        other = scheduler.submit(prompt, greedy(max_new_tokens=2), images=Images(prompt, [(1, 7, digest)]))
+        executor.histories[other] = list(prompt)
+        executor.requests[other] = (list(prompt), greedy(max_new_tokens=2))
+        batch = scheduler.schedule()
+        assert batch.sequences[0].images is not None
+        assert scheduler.stats.prefix_hit_pages - before == shared
+        executor.complete(batch)
+        executor.drain()
+    with pytest.raises(SchedulerError, match="expanded token ids"):
+        scheduler.submit([1, 2, 3], greedy(), images=seen)
