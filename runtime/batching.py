@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterator, Sequence
+
+import numpy as np
 
 from .engine import CompiledModel, GenerationError, StepRow
 from .request import IncrementalDetokenizer
@@ -14,7 +17,10 @@ from .scheduler import (
     PagedKvCacheConfig,
     RequestId,
     TokenDelta,
+    TokenLogprobs,
 )
+
+MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask to see per token (OpenAI's limit)
 
 
 def arena_config(model: CompiledModel) -> PagedKvCacheConfig:
@@ -52,18 +58,26 @@ class BatchExecutor:
                                                   share_prefixes=not model.has_recurrent_state)
         self.cache = model.new_batch_cache()
         self._pickers: dict[RequestId, TokenPicker] = {}
+        self._logprobs: dict[RequestId, int] = {}  # requests that want log-probabilities: how many alternatives
         self._failures: dict[RequestId, int] = {}
         self.last_error: Exception | None = None
 
     def submit(self, prompt_token_ids: Sequence[int], generation: GreedyGenerationConfig,
-               detokenizer: IncrementalDetokenizer | None = None, images=None) -> RequestId:
+               detokenizer: IncrementalDetokenizer | None = None, images=None,
+               logprobs: int | None = None) -> RequestId:
         """Queue a request; returns its id. With a `detokenizer` its text streams in the deltas (and stop strings
         apply). A prompt with images: `images` is its runtime.vision.ImagePrompt and `prompt_token_ids` its
-        expanded ids (images.token_ids)."""
+        expanded ids (images.token_ids). `logprobs` (0..MAX_TOP_LOGPROBS): each delta carries the token's
+        log-probability and that many of the most likely tokens' (TokenLogprobs)."""
         if images is not None and self.model.vision is None:
             raise GenerationError(f"{self.model.model_dir} has no vision encoder: it takes text prompts only")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise GenerationError(f"logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {logprobs!r}")
         request_id = self.scheduler.submit(prompt_token_ids, generation, detokenizer, images)
         self._pickers[request_id] = make_picker(generation)
+        if logprobs is not None:
+            self._logprobs[request_id] = logprobs
         return request_id
 
     def abort(self, request_id: RequestId) -> bool:
@@ -91,8 +105,11 @@ class BatchExecutor:
                              [self.scheduler.request_state(r).tokens for r in ids]) if final else []
         for i, token in zip(final, picked):
             tokens[i] = token
+        asked = {ids[k]: token_logprobs(logits[i], picked[k], self._logprobs[ids[k]])
+                 for k, i in enumerate(final) if ids[k] in self._logprobs}
         self.scheduler.complete_batch(batch.id, tokens)
-        return self.scheduler.pop_deltas()
+        return [replace(d, logprobs=asked[d.request_id]) if d.request_id in asked else d
+                for d in self.scheduler.pop_deltas()]
 
     def pop_finished(self) -> list[FinishedRequest]:
         """The requests finished since the last call."""
@@ -100,6 +117,7 @@ class BatchExecutor:
         for request in finished:
             del self._pickers[request.request_id]
             self._failures.pop(request.request_id, None)
+            self._logprobs.pop(request.request_id, None)
         return finished
 
     def run(self) -> Iterator[FinishedRequest]:
@@ -120,3 +138,11 @@ class BatchExecutor:
             self._failures[seq.request_id] = self._failures.get(seq.request_id, 0) + 1
             if self._failures[seq.request_id] >= self.MAX_FAILURES:
                 self.scheduler.abort(seq.request_id, "error")
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
+    """A token's log-probability under softmax(logits), and the `top` most likely tokens' (most likely first)."""
+    shifted = logits.astype(np.float64) - logits.max()
+    logprobs = shifted - np.log(np.exp(shifted).sum())
+    best = np.argsort(-logprobs, kind="stable")[:top]
+    return TokenLogprobs(float(logprobs[token]), [(int(t), float(logprobs[t])) for t in best])

@@ -269,16 +269,17 @@ class CompiledModel:
         """Run one step of these rows (StepRow, or a plain (token ids, start, pages, slot) tuple); logits after each
         row's last token. A failed step leaves the cache unusable."""
         cache.check()
+        rows = [StepRow(*row) for row in rows]
         b = self.buckets
         block, width = b.kv_block, b.pages_per_row
-        total = sum(len(ids) for ids, *_ in rows)
+        total = sum(len(row.token_ids) for row in rows)
         row_bucket = next((r for r in b.batch_rows if r >= len(rows)), None)
         tokens = next((t for t in b.step_tokens if t >= max(total, row_bucket or 0)), None)
         if tokens is None or row_bucket is None:
             raise GenerationError(f"a batch of {len(rows)} sequences and {total} tokens exceeds the built batch steps "
                                   f"(rows {list(b.batch_rows)}, tokens {list(b.step_tokens)})")
-        self._check_token_ids([t for ids, *_ in rows for t in ids])
-        bad_slot = [row[3] for row in rows if not 0 <= row[3] < b.batch_rows[-1]]
+        self._check_token_ids([t for row in rows for t in row.token_ids])
+        bad_slot = [row.slot for row in rows if not 0 <= row.slot < b.batch_rows[-1]]
         if bad_slot:
             raise GenerationError(f"state slots {bad_slot} are outside 0..{b.batch_rows[-1] - 1}")
         ids, pos_of, row_of = (np.zeros(tokens, np.int32) for _ in range(3))
@@ -287,7 +288,7 @@ class CompiledModel:
         last, seq_start, seq_len, seq_pos = (np.zeros(row_bucket, np.int32) for _ in range(4))
         seq_slot = np.full(row_bucket, -1, np.int32)
         at = 0
-        for r, (new, start, pages, slot, *_) in enumerate(rows):
+        for r, (new, start, pages, slot, _) in enumerate(rows):
             positions = np.arange(start, start + len(new))
             page_ids = np.asarray(pages, np.int32)
             ids[at:at + len(new)], pos_of[at:at + len(new)], row_of[at:at + len(new)] = new, positions, r
@@ -300,7 +301,7 @@ class CompiledModel:
                   "block_table": table, "last_tokens": last, "token_count": total, "seq_start": seq_start,
                   "seq_len": seq_len, "seq_pos": seq_pos, "seq_slot": seq_slot}
         if self.vision is not None:
-            values |= self._multimodal_values([StepRow(*row) for row in rows], tokens)
+            values |= self._multimodal_values(rows, tokens)
         entry = ATTENTION_ENTRIES[cache.attention]
         try:
             out = self._call(b.function_name(entry, {TOKENS: tokens, ROWS: row_bucket}), entry, values, cache.tensors)

@@ -154,13 +154,24 @@ class FinishedRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """The log-probability of a generated token under the model's distribution (its raw logits, before penalties,
+    temperature or filters), and the most likely tokens with theirs, most likely first."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
 class TokenDelta:
-    """One generated token of one request, the text it added, and the finish reason if it ended the request."""
+    """One generated token of one request, the text it added, and the finish reason if it ended the request (and
+    its log-probabilities, when the request asked for them)."""
 
     request_id: RequestId
     token_id: int
     text: str
     finish_reason: str | None
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass
@@ -379,6 +390,11 @@ class ContinuousBatchScheduler:
     def cached_pages(self) -> int:
         """Pages no request holds that keep indexed prefix content."""
         return len(self._pool.cached)
+
+    @property
+    def waiting_count(self) -> int:
+        """Requests submitted and not yet admitted (or preempted and waiting to run again)."""
+        return len(self._waiting)
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running."""

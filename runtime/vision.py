@@ -125,7 +125,7 @@ def image_prompt(prompt_ids: list[int], embeddings: list[np.ndarray], grids: lis
     rows: list[int] = []
     positions: list[np.ndarray] = []
     spans = []
-    next_pos, image = 0, 0
+    next_pos, image, row = 0, 0, 0
     for token in prompt_ids:
         if token != vision.image_token_id:
             ids.append(token)
@@ -136,11 +136,10 @@ def image_prompt(prompt_ids: list[int], embeddings: list[np.ndarray], grids: lis
         t, h, w = grids[image][0], grids[image][1] // merge, grids[image][2] // merge
         tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
         positions.append(np.stack([tt, hh, ww], axis=-1).reshape(-1, 3).astype(np.int32) + next_pos)
-        first = len(ids)
+        spans.append((len(ids), len(ids) + t * h * w, digests[image]))
         ids.extend([vision.image_token_id] * (t * h * w))
-        done = sum(len(e) for e in embeddings[:image])
-        rows.extend(range(done, done + t * h * w))
-        spans.append((first, len(ids), digests[image]))
+        rows.extend(range(row, row + t * h * w))
+        row += t * h * w
         next_pos += max(h, w)
         image += 1
     stacked = np.concatenate(embeddings).astype(np.float32) if embeddings else np.zeros((0, 0), np.float32)

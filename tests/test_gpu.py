@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from conftest import TEST_BUCKETS
+from conftest import TEST_BUCKETS, TEST_IMAGE_PATCHES
 from test_cuda_build import nvrtc_available
 from test_models_vs_transformers import assert_logits_close
 from test_qwen35_vs_transformers import reference_model
 
 from compiler.build import build
-from runtime import CompiledModel, GreedyGenerationConfig, generate
+from runtime import CompiledModel, GreedyGenerationConfig, generate, load_pipeline
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -53,6 +53,25 @@ def test_gpu_greedy_tokens_equal_cpu(models):
     gpu, cpu, _ = models
     config = GreedyGenerationConfig(32, eos_token_ids=[])
     assert generate(gpu, [5, 6, 7], config).generated_token_ids == generate(cpu, [5, 6, 7], config).generated_token_ids
+
+
+def test_gpu_image_prompts_equal_cpu(tiny_factory, tmp_path):
+    """The vision encoder and image prompts on the GPU: embeddings and greedy tokens as on the CPU."""
+    from test_qwen35_vision import MODEL, prompt_with, write_images
+
+    model_dir, cpu_artifact = tiny_factory(**MODEL)
+    out = tmp_path / "artifact"
+    build(model_dir, target="cuda", out=out, prefill_buckets=TEST_BUCKETS["prefill_tokens"],
+          max_context=TEST_BUCKETS["max_context"], image_patches=TEST_IMAGE_PATCHES, quiet=True)
+    gpu, cpu = load_pipeline(model_dir, out, device="cuda"), load_pipeline(model_dir, cpu_artifact)
+    paths = write_images(tmp_path)
+    files = [paths["wide.png"], paths["tall.jpg"]]
+    for got, want in zip(gpu.vision.encode_files(files), cpu.vision.encode_files(files)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * float(np.abs(want).max()))
+    config = GreedyGenerationConfig(16, eos_token_ids=[])
+    prompt = prompt_with(cpu, 2)
+    assert gpu.generate_image_files_greedy(prompt, files, config=config).generated_token_ids == \
+        cpu.generate_image_files_greedy(prompt, files, config=config).generated_token_ids
 
 
 PAGE_TABLE = np.arange(256, dtype=np.int32)[::-1].reshape(1, 256).copy()  # one sequence's pages, scattered

@@ -127,9 +127,8 @@ def test_chunked_prefill_across_image_boundaries_equals_whole(setup):
     whole = model.forward(prompt.token_ids, model.new_cache(), prompt)
     cache = model.new_cache()
     cuts = [0, 3, 5, 17, 30, len(prompt.token_ids)]
-    cache.images = prompt
-    for a, b in zip(cuts, cuts[1:]):
-        parts = model.forward(prompt.token_ids[a:b], cache)
+    for a, b in zip(cuts, cuts[1:]):  # the images come with the first piece; the cache keeps them
+        parts = model.forward(prompt.token_ids[a:b], cache, prompt if a == 0 else None)
     np.testing.assert_allclose(parts, whole, rtol=0, atol=1e-4 * max(1.0, float(np.abs(whole).max())))
 
 
@@ -265,3 +264,14 @@ def test_an_image_beyond_the_largest_patch_bucket_names_the_option(setup):
     with pytest.raises(GenerationError, match=r"more than the largest image bucket \(256 patches\): rebuild with a "
                                               r"larger --image-patch-buckets"):
         pipeline.generate_rgb_greedy(prompt_with(pipeline, 1), [RgbImage(bytes(3 * 200 * 300), 200, 300)], big)
+
+
+def test_build_cli_checks_the_image_patch_buckets(setup, tiny_factory):
+    from test_cli import run
+
+    model_dir = setup[0].model.model_dir
+    result = run("compiler", "build", str(model_dir), "--image-patch-buckets", "64,6", cwd=model_dir.parent)
+    assert result.returncode == 6 and "--image-patch-buckets must be positive multiples of 4" in result.stderr
+    text_dir, _ = tiny_factory(arch="qwen3_5", num_hidden_layers=2)
+    result = run("compiler", "build", str(text_dir), "--image-patch-buckets", "64", cwd=text_dir.parent)
+    assert result.returncode == 6 and "has no vision encoder" in result.stderr
