@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 from models.checkpoint import scan_checkpoint
-from models.tiny import awq_checkpoint, random_weights, save_weights, tiny_config
+from models.tiny import (awq_checkpoint, build_tokenizer, generation_config, random_weights, save_weights,
+                         special_token_ids, tiny_config, tokenizer_config)
 
 SHAPES = {
     "qwen2.5-0.5b": dict(arch="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
@@ -87,4 +88,27 @@ def add_sentencepiece_tokenizer(model_dir: Path) -> Path:
             sentence_iterator=iter(_SPM_TEXT * 4), model_writer=proto, vocab_size=400, model_type="bpe",
             byte_fallback=True, character_coverage=1.0, hard_vocab_limit=False, minloglevel=2)
         path.write_bytes(proto.getvalue())
+    return path
+
+
+def add_bpe_tokenizer(model_dir: Path, arch: str = "qwen2") -> Path:
+    """Give a real-shape checkpoint what a pipeline (and the server) loads besides weights: the tiny byte-level BPE
+    tokenizer of `arch`, its vocabulary padded with tokens no text encodes to (x0, x1, ...) up to config.json's
+    vocab_size so that every id the model generates decodes, the specials at the end as in the real checkpoints;
+    tokenizer_config.json (with the chat template) and generation_config.json. Written once."""
+    path = model_dir / "tokenizer.json"
+    if path.is_file():
+        return path
+    config = json.loads((model_dir / "config.json").read_text())
+    vocab_size = config.get("text_config", config)["vocab_size"]
+    data = json.loads(build_tokenizer(arch, 512).to_str())
+    vocab = data["model"]["vocab"]
+    specials = special_token_ids(arch, vocab_size)
+    first_special = min(specials.values())
+    vocab |= {f"x{i}": i for i in range(len(vocab), first_special)}
+    for token in data["added_tokens"]:
+        token["id"] = specials[token["content"]]
+    path.write_text(json.dumps(data, ensure_ascii=False))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(arch, vocab_size, 4096), indent=1))
+    (model_dir / "generation_config.json").write_text(json.dumps(generation_config(config), indent=1))
     return path

@@ -93,3 +93,20 @@ def _last_line(text: str) -> str:
     """The last non-empty line of `text` (a traceback's error)."""
     lines = [line for line in text.splitlines() if line.strip()]
     return lines[-1].strip() if lines else "no output"
+
+
+def llama_server_binary(work: Path, source: str | None) -> Path:
+    """llama.cpp's own OpenAI-compatible server (`llama-server`, with parallel slots and continuous batching),
+    built once with cmake from the vendored llama.cpp of the sdist (or `source`) for this CPU."""
+    tree = converter_script(work, source).parent
+    build = work / "llama-server-build"
+    binary = build / "bin" / "llama-server"
+    if binary.is_file():
+        return binary
+    for command in (["cmake", "-S", str(tree), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_SERVER=ON",
+                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON"],
+                    ["cmake", "--build", str(build), "--target", "llama-server", "-j", "2"]):
+        done = subprocess.run(command, check=False, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise ConversionError(f"building llama-server failed ({' '.join(command[:2])}): {_last_line(done.stderr)}")
+    return binary

@@ -144,5 +144,6 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
     """A token's log-probability under softmax(logits), and the `top` most likely tokens' (most likely first)."""
     shifted = logits.astype(np.float64) - logits.max()
     logprobs = shifted - np.log(np.exp(shifted).sum())
-    best = np.argsort(-logprobs, kind="stable")[:top]
+    best = np.argpartition(-logprobs, top)[:top] if top else np.zeros(0, np.int64)
+    best = best[np.argsort(-logprobs[best], kind="stable")]
     return TokenLogprobs(float(logprobs[token]), [(int(t), float(logprobs[t])) for t in best])

@@ -3,7 +3,7 @@
 
 Parameters mean what they mean to OpenAI's API, mapped onto the pipeline's generation configs: `temperature`
 0 is greedy (the max-logit token), above 0 samples (default 1, as OpenAI's); `top_p`, and vLLM's extensions
-`top_k` and `repetition_penalty`; `seed` seeds choice i of `n` with seed + i, so a seeded request gives what
+`top_k`, `repetition_penalty` and `ignore_eos`; `seed` seeds choice i of `n` with seed + i, so a seeded request gives what
 `generate_text_sampled` gives with that seed; `stop` ends the reply before a stop string (which the reply
 does not include); `logprobs` come from the model's raw logits. `finish_reason` is `stop` (an EOS token or a
 stop string) or `length`. Handlers only parse, submit and stream: the engine thread runs the model.
@@ -111,10 +111,12 @@ class OpenAIServer:
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: Request, chat: bool) -> Response:
+        job, streams = None, []
         try:
             self._authorize(request)
             job = self._parse(await _json_body(request), chat)
-            streams = [await self.engine.submit(job.prompt_ids, config, job.logprobs) for config in job.configs]
+            for config in job.configs:
+                streams.append(await self.engine.submit(job.prompt_ids, config, job.logprobs))
         except ApiError as e:
             self.metrics.refused({401: "unauthorized", 429: "rejected"}.get(e.status, "invalid"))
             raise
@@ -124,6 +126,10 @@ class OpenAIServer:
         except RudaError as e:  # the executor refused the request, or the engine loop stopped
             self.metrics.refused("error")
             raise ApiError(500, str(e), code="engine_error") from None
+        finally:
+            if job is not None and len(streams) < len(job.configs):  # a refused choice: none of them runs
+                for stream in streams:
+                    self.engine.abort(stream)
         if job.stream:
             return StreamingResponse(self._sse(job, streams), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -213,7 +219,8 @@ class OpenAIServer:
                 raise ApiError(400, f"'{name}' is not supported (use repetition_penalty)", name)
         seed = _optional_int(body, "seed", 0)
         common = dict(max_new_tokens=max_tokens, stop_strings=tuple(stops or ()),
-                      repetition_penalty=_optional_number(body, "repetition_penalty", 1.0))
+                      repetition_penalty=_optional_number(body, "repetition_penalty", 1.0),
+                      eos_token_ids=() if _optional(body, "ignore_eos", bool, False) else None)
         try:
             if temperature == 0.0:
                 return GreedyGenerationConfig(**common)
