@@ -77,7 +77,7 @@ class Server:
 
 
 async def one_request(client, url: str, model: str, prompt: list[int], tokens: int) -> dict:
-    """One streaming completion: when each text chunk arrived, and whether the request completed."""
+    """One streaming completion: when each token's chunk arrived, and whether the request completed."""
     body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
     start, arrivals, done = time.perf_counter(), [], False
@@ -88,9 +88,9 @@ async def one_request(client, url: str, model: str, prompt: list[int], tokens: i
             async for line in response.aiter_lines():
                 if line == "data: [DONE]":
                     done = True
-                elif line.startswith("data: "):
-                    choices = json.loads(line[6:]).get("choices") or [{}]
-                    if choices[0].get("text"):
+                elif line.startswith("data: "):  # a token's chunk (llama-server sends one even for a token
+                    choices = json.loads(line[6:]).get("choices") or [{}]  # whose text is empty), not the last one
+                    if choices[0] and choices[0].get("finish_reason") is None:
                         arrivals.append(time.perf_counter())
     except Exception as e:  # noqa: BLE001 -- a lost request is counted, not fatal
         return {"ok": False, "arrivals": arrivals, "start": start, "error": repr(e)}
@@ -133,7 +133,8 @@ def ours(model_dir: Path, levels: list[int], args) -> list[dict]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     server = Server([sys.executable, "-m", "runtime.serve", str(model_dir), "--artifact", str(artifact),
-                     "--port", str(port), "--max-active-sequences", str(max(levels)), "--max-queue", "4096"],
+                     "--port", str(port), "--max-active-sequences", str(max(levels)), "--max-queue", "4096"]
+                    + (["--max-batch-tokens", str(args.max_batch_tokens)] if args.max_batch_tokens else []),
                     port, args.work / "ours-server.log", env)
     try:
         return [{"server": "ours", **asyncio.run(load(server.url, model_dir.name, n, args.requests,
@@ -199,6 +200,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True, help="directory for checkpoints, builds, logs")
     parser.add_argument("--llama-cpp-src", help="an unpacked llama-cpp-python sdist or llama.cpp tree")
     parser.add_argument("--skip", choices=("ours", "llama.cpp"), help="run only the other server")
+    parser.add_argument("--max-batch-tokens", type=int, help="our server's token budget per step (default: its own)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     levels = sorted({int(n) for n in args.clients.split(",")})

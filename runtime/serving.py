@@ -30,7 +30,6 @@ class QueueFull(GenerationError):
 class RequestStream:
     """What a handler reads of one request: its deltas, then its FinishedRequest, on an asyncio queue."""
 
-    prompt_tokens: int
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request_id: RequestId | None = None
@@ -56,11 +55,11 @@ class _Submit:
 class ServingEngine:
     """Runs one BatchExecutor on its own thread for every request of the server (see the module docstring)."""
 
-    def __init__(self, pipeline, max_active_sequences: int, max_queue: int):
+    def __init__(self, pipeline, max_active_sequences: int, max_queue: int, max_batch_tokens: int | None = None):
         model = pipeline.model
         self.pipeline = pipeline
-        self.executor = BatchExecutor(model, ContinuousBatchConfig(max_active_sequences,
-                                                                   model.buckets.prefill_tokens[-1]),
+        budget = max_batch_tokens or model.buckets.prefill_tokens[-1]
+        self.executor = BatchExecutor(model, ContinuousBatchConfig(max_active_sequences, budget),
                                       default_eos_token_ids=pipeline.default_eos_token_ids)
         self.max_queue = max_queue
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -101,7 +100,7 @@ class ServingEngine:
                 raise QueueFull(f"{self.queued} requests are already waiting (--max-queue {self.max_queue})")
             self._pending += 1
         loop = asyncio.get_running_loop()
-        stream = RequestStream(len(prompt_ids), loop)
+        stream = RequestStream(loop)
         job = _Submit(stream, list(prompt_ids), config, logprobs, loop.create_future())
         self._inbox.put(job)
         self._wake.set()

@@ -341,3 +341,15 @@ def test_a_request_past_the_timeout_is_stopped_with_504(built):
             time.sleep(0.05)
     finally:
         server.close()
+
+
+def test_the_step_budget_splits_prompts_into_smaller_steps(built):
+    server = LiveServer(*built, max_batch_tokens=8)
+    try:
+        prompt = "a prompt of more than eight tokens, surely, by a margin"
+        assert len(server.pipeline.encode(prompt)) > 16
+        r = server.client.completions.create(model=server.model, prompt=prompt, max_tokens=4, temperature=0)
+        assert r.choices[0].text == greedy_text(server.pipeline, prompt, 4).generated_text
+        assert server.server.engine.executor.scheduler.stats.batches >= 3 + 3  # 8-token prefill steps, then decodes
+    finally:
+        server.close()
