@@ -22,9 +22,9 @@ from .pipeline import (
     GeneratedText,
     Pipeline,
     TextStream,
-    _check_greedy,
-    _finish,
+    check_greedy,
     loaded_config,
+    run_to_end,
 )
 from .sampling import GenerationConfigError, GreedyGenerationConfig
 from .vision import ImagePrompt, image_digest, image_prompt
@@ -118,17 +118,17 @@ class MultimodalPipeline(Pipeline):
                                     config: GreedyGenerationConfig = DEFAULT_GREEDY) -> GeneratedText:
         """Greedy generation from prompt ids with one placeholder per image file (JPEG, PNG), in order;
         `processor` None: the checkpoint's own preprocessing."""
-        _check_greedy(config)
-        return _finish(self.stream_images(prompt_ids, (processor or self.image_processor).preprocess_files(paths),
-                                          config))
+        check_greedy(config)
+        return run_to_end(self.stream_images(prompt_ids, (processor or self.image_processor).preprocess_files(paths),
+                                             config))
 
     def generate_rgb_greedy(self, prompt_ids: Sequence[int], images: Sequence[RgbImage],
                             processor: Qwen35ImageProcessor | None = None,
                             config: GreedyGenerationConfig = DEFAULT_GREEDY) -> GeneratedText:
         """Greedy generation from prompt ids with one placeholder per RGB8 image, in order."""
-        _check_greedy(config)
-        return _finish(self.stream_images(prompt_ids, (processor or self.image_processor).preprocess_rgb(images),
-                                          config))
+        check_greedy(config)
+        return run_to_end(self.stream_images(prompt_ids, (processor or self.image_processor).preprocess_rgb(images),
+                                             config))
 
     def _checked_ids(self, prompt_ids) -> list[int]:
         """The prompt's token ids, checked: a non-empty list of ids in the vocabulary."""

@@ -101,7 +101,7 @@ class Pipeline:
     def stream_text(self, prompt: str, config: GreedyGenerationConfig = DEFAULT_GREEDY,
                     add_special_tokens: bool = True, skip_special_tokens: bool = True) -> TextStream:
         """Greedy generation as a stream of text deltas."""
-        _check_greedy(config)
+        check_greedy(config)
         return TextStream(self, prompt, self.encode(prompt, add_special_tokens), config, skip_special_tokens)
 
     def stream_text_sampled(self, prompt: str, config: SamplingGenerationConfig,
@@ -114,15 +114,15 @@ class Pipeline:
     def generate_text(self, prompt: str, config: GreedyGenerationConfig = DEFAULT_GREEDY,
                       add_special_tokens: bool = True, skip_special_tokens: bool = True) -> GeneratedText:
         """Greedy (max-logit) generation."""
-        return _finish(self.stream_text(prompt, config, add_special_tokens, skip_special_tokens))
+        return run_to_end(self.stream_text(prompt, config, add_special_tokens, skip_special_tokens))
 
     def generate_text_sampled(self, prompt: str, config: SamplingGenerationConfig,
                               add_special_tokens: bool = True, skip_special_tokens: bool = True) -> GeneratedText:
         """Sampled generation: temperature, top-k, top-p, seeded draw."""
-        return _finish(self.stream_text_sampled(prompt, config, add_special_tokens, skip_special_tokens))
+        return run_to_end(self.stream_text_sampled(prompt, config, add_special_tokens, skip_special_tokens))
 
 
-def _check_greedy(config) -> None:
+def check_greedy(config) -> None:
     """Refuse a config that is not a greedy one."""
     if not isinstance(config, GreedyGenerationConfig) or isinstance(config, SamplingGenerationConfig):
         raise GenerationConfigError(f"config must be a GreedyGenerationConfig, got {type(config).__name__}")
@@ -139,7 +139,8 @@ def _checked_text(text) -> str:
     return text
 
 
-def _finish(stream: TextStream) -> GeneratedText:
+def run_to_end(stream: TextStream) -> GeneratedText:
+    """Consume a stream; its result."""
     for _ in stream:
         pass
     return stream.result
