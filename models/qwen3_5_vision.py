@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from ir import GraphBuilder, Param
+from ir import GraphBuilder, Param, TensorType
 from ir.graph import IMAGE_TOKENS, PATCHES
 
 from .config import ConfigReader
@@ -147,7 +147,7 @@ def flattened_params(params: Mapping[str, Param]) -> dict[str, Param]:
     """The weight map's entries that differ from a plain copy: the patch conv kernel as a matrix [hidden, patch]."""
     name = PREFIX + "patch_embed.proj.weight"
     conv = params[name].type
-    matrix = type(conv)((conv.shape[0], conv.shape[1] * conv.shape[2] * conv.shape[3] * conv.shape[4]), conv.dtype)
+    matrix = TensorType((conv.shape[0], conv.shape[1] * conv.shape[2] * conv.shape[3] * conv.shape[4]), conv.dtype)
     return {name: Param(name, matrix, (name,), "flatten")}
 
 

@@ -12,8 +12,12 @@ from __future__ import annotations
 import argparse
 import io
 import sys
+from typing import TYPE_CHECKING
 
 from ir.errors import RudaError, UsageError, add_debug_flag, positive_int, run_cli
+
+if TYPE_CHECKING:
+    from .images import PreprocessedImages
 
 SAMPLING_OPTIONS = ("top_k", "top_p", "seed")
 
@@ -57,7 +61,7 @@ class Attachments:
 
     def __init__(self, pipeline):
         self.pipeline = pipeline
-        self.images: list[tuple[str, int]] = []  # (path, its tokens once expanded)
+        self.images: list[tuple[PreprocessedImages, int]] = []  # each image preprocessed once, its tokens
         self.pending = 0  # images attached to the next message
         vision = pipeline.model.vision if hasattr(pipeline, "stream_images") else None
         self.placeholder = pipeline.decode([vision.vision_start_token_id, vision.image_token_id,
@@ -67,9 +71,9 @@ class Attachments:
         """Attach an image to the next message (checked now); what to tell the user."""
         if self.placeholder is None:
             return "[this model takes text only: /image needs a Qwen3.5 image-text model]"
-        images = self.pipeline.image_processor.preprocess_files([path])
-        tokens = images.patch_counts[0] // self.pipeline.model.vision.merge_unit
-        self.images.append((path, tokens))
+        image = self.pipeline.image_processor.preprocess_files([path])
+        tokens = image.patch_counts[0] // self.pipeline.model.vision.merge_unit
+        self.images.append((image, tokens))
         self.pending += 1
         return f"(image {path} attached: {tokens} tokens; it goes with your next message)"
 
@@ -79,7 +83,7 @@ class Attachments:
         self.pending = 0
         return content
 
-    def in_prompt(self, prompt: str) -> list[tuple[str, int]]:
+    def in_prompt(self, prompt: str) -> list[tuple[PreprocessedImages, int]]:
         """The images a rendered prompt holds: the newest ones (older turns are dropped first)."""
         count = prompt.count(self.placeholder) if self.placeholder else 0
         return self.images[len(self.images) - count:] if count else []
@@ -93,6 +97,7 @@ def chat(pipeline, config, system: str | None, read=input, write=sys.stdout.writ
     """Run the conversation loop until EOF or Ctrl-C at the prompt."""
     from dataclasses import replace
 
+    from .images import PreprocessedImages
     from .sampling import SamplingGenerationConfig
 
     history = [{"role": "system", "content": system}] if system else []
@@ -136,8 +141,9 @@ def chat(pipeline, config, system: str | None, read=input, write=sys.stdout.writ
         config_now = replace(config, max_new_tokens=new_tokens)
         images = attachments.in_prompt(prompt)
         try:
-            stream = pipeline.stream_images(pipeline.encode(prompt, add_special_tokens=False), pipeline.image_processor.
-                                            preprocess_files([p for p, _ in images]), config_now) if images else \
+            stream = pipeline.stream_images(pipeline.encode(prompt, add_special_tokens=False),
+                                            PreprocessedImages.concatenate([image for image, _ in images]),
+                                            config_now) if images else \
                 stream_text(prompt, config_now, add_special_tokens=False)
             for delta in stream:
                 write(delta)

@@ -301,7 +301,7 @@ class CompiledModel:
                   "block_table": table, "last_tokens": last, "token_count": total, "seq_start": seq_start,
                   "seq_len": seq_len, "seq_pos": seq_pos, "seq_slot": seq_slot}
         if self.vision is not None:
-            values |= self._multimodal_values(rows, tokens)
+            values |= self._multimodal_values(rows, pos_of)
         entry = ATTENTION_ENTRIES[cache.attention]
         try:
             out = self._call(b.function_name(entry, {TOKENS: tokens, ROWS: row_bucket}), entry, values, cache.tensors)
@@ -312,21 +312,21 @@ class CompiledModel:
                                   "sequence, new_batch_cache() for a batch)") from e
         return out.numpy()[:len(rows)]
 
-    def _multimodal_values(self, rows: list[StepRow], tokens: int) -> dict[str, np.ndarray]:
-        """The image inputs of a step: image tokens' embeddings and mask, every token's rotary position."""
-        embeds = np.zeros((tokens, self.config.hidden_size), np.float32)
-        mask = np.zeros(tokens, np.int32)
-        positions = np.zeros((tokens, 3), np.int32)
+    def _multimodal_values(self, rows: list[StepRow], pos_of: np.ndarray) -> dict[str, np.ndarray]:
+        """The image inputs of a step: image tokens' embeddings and mask, and every token's rotary position (its
+        position in `pos_of` on all three axes, a prompt with images' own positions for its rows)."""
+        embeds = np.zeros((len(pos_of), self.config.hidden_size), np.float32)
+        mask = np.zeros(len(pos_of), np.int32)
+        positions = np.repeat(pos_of[:, None], 3, axis=1)
         at = 0
         for row in rows:
             n = len(row.token_ids)
-            if row.images is None:
-                positions[at:at + n] = np.arange(row.start, row.start + n)[:, None]
-            else:
+            if row.images is not None:
                 positions[at:at + n] = row.images.rope_positions(row.start, n)
                 image_rows = row.images.rows(row.start, n)
-                mask[at:at + n] = image_rows >= 0
-                embeds[at:at + n][image_rows >= 0] = row.images.embeddings[image_rows[image_rows >= 0]]
+                is_image = image_rows >= 0
+                mask[at:at + n] = is_image
+                embeds[at:at + n][is_image] = row.images.embeddings[image_rows[is_image]]
             at += n
         return {"input_embeddings": embeds, "embedding_mask": mask, "rope_positions": positions}
 

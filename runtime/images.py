@@ -79,6 +79,11 @@ class PreprocessedImages:
         """The number of pixel_values rows (t*h*w) of each image."""
         return tuple(t * h * w for t, h, w in self.grids)
 
+    @classmethod
+    def concatenate(cls, parts: Sequence[PreprocessedImages]) -> PreprocessedImages:
+        """Several preprocessed images as one, in order."""
+        return cls(np.concatenate([p.pixel_values for p in parts]), tuple(g for p in parts for g in p.grids))
+
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """transformers' smart_resize (aspect ratio already checked): sides that are multiples of factor, area in bounds."""
@@ -212,14 +217,13 @@ class Qwen35ImageProcessor:
 
     def _preprocess(self, named_images: Iterable[tuple[str, Image.Image]]) -> PreprocessedImages:
         """Patch rows and grids of (name, image) pairs, one image at a time."""
-        patches, grids = [], []
+        parts = []
         for name, image in named_images:
             rows, grid = self._patchify(self._normalized(name, self._rgb(name, image)))
-            patches.append(rows)
-            grids.append(grid)
-        if not patches:
+            parts.append(PreprocessedImages(rows, (grid,)))
+        if not parts:
             raise ImageError("no images to preprocess; pass at least one image")
-        return PreprocessedImages(np.concatenate(patches), tuple(grids))
+        return PreprocessedImages.concatenate(parts)
 
     def _rgb(self, name: str, image: Image.Image) -> Image.Image:
         """The image in RGB mode as transformers makes it (left as it is when do_convert_rgb is false)."""

@@ -15,7 +15,7 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from starlette.applications import Starlette
@@ -169,7 +169,7 @@ class OpenAIServer:
             raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
         include_usage = _optional(options or {}, "include_usage", bool, False, "stream_options.include_usage")
         n = _optional_int(body, "n", 1, MAX_N) or 1
-        return Job(chat, prompt_ids, [self._config(body, max_tokens, i) for i in range(n)], stream, include_usage,
+        return Job(chat, prompt_ids, self._configs(body, max_tokens, n), stream, include_usage,
                    _logprobs(body, chat))
 
     def _completion_prompt(self, body: dict) -> list[int]:
@@ -207,8 +207,8 @@ class OpenAIServer:
             raise ApiError(400, str(e), "messages") from None
         return self.pipeline.encode(prompt, add_special_tokens=False)
 
-    def _config(self, body: dict, max_tokens: int, choice: int) -> GreedyGenerationConfig:
-        """The generation config of choice `choice`."""
+    def _configs(self, body: dict, max_tokens: int, n: int) -> list[GreedyGenerationConfig]:
+        """The generation config of each of the `n` choices (sampled ones differ in their seeds only)."""
         temperature = _optional_number(body, "temperature", 1.0)
         stop = body.get("stop")
         stops = [stop] if isinstance(stop, str) else stop
@@ -223,11 +223,12 @@ class OpenAIServer:
                       eos_token_ids=() if _optional(body, "ignore_eos", bool, False) else None)
         try:
             if temperature == 0.0:
-                return GreedyGenerationConfig(**common)
+                return [GreedyGenerationConfig(**common)] * n
             top_k = _optional_int(body, "top_k", -1)
             sampling = SamplingConfig(temperature, max(top_k, 0) if top_k is not None else 0,
-                                      _optional_number(body, "top_p", 1.0), None if seed is None else seed + choice)
-            return SamplingGenerationConfig(**common, sampling=sampling)
+                                      _optional_number(body, "top_p", 1.0), seed)
+            return [SamplingGenerationConfig(**common, sampling=sampling if seed is None else replace(
+                sampling, seed=seed + choice)) for choice in range(n)]
         except GenerationConfigError as e:
             field_name = str(e).split()[0].strip("'\":")
             raise ApiError(400, str(e), {"max_new_tokens": "max_tokens"}.get(field_name, field_name)) from None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -40,9 +41,9 @@ def _axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.
     return np.clip(taps, 0, side - 1), weights.astype(np.float32)
 
 
-def interpolation_taps(grid: Grid, merge: int, side: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each patch's four position-embedding rows ([n, 4] int32) and weights ([n, 4] float32)."""
-    positions = grid_positions(grid, merge)
+def interpolation_taps(positions: np.ndarray, grid: Grid, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each patch's four position-embedding rows ([n, 4] int32) and weights ([n, 4] float32), from its grid position
+    (grid_positions)."""
     (h_taps, h_w), (w_taps, w_w) = (_axis_taps(positions[:, a], size, side) for a, size in ((0, grid[1]), (1, grid[2])))
     index = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, TAPS)
     return index.astype(np.int32), (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, TAPS)
@@ -50,9 +51,9 @@ def interpolation_taps(grid: Grid, merge: int, side: int) -> tuple[np.ndarray, n
 
 def encoder_inputs(pixels: np.ndarray, grids: list[Grid], vision: VisionConfig, patches: int) -> dict[str, np.ndarray]:
     """The encode_image inputs by role for these images' patches (in order), padded to `patches` rows."""
-    merge, side = vision.spatial_merge_size, vision.grid_side
     real = len(pixels)
-    taps = [interpolation_taps(g, merge, side) for g in grids]
+    positions = [grid_positions(g, vision.spatial_merge_size) for g in grids]
+    taps = [interpolation_taps(p, g, vision.grid_side) for p, g in zip(positions, grids)]
     values = {
         "image_patches": np.zeros((patches, pixels.shape[1]), np.float32),
         "patch_positions": np.zeros((patches, 2), np.int32),
@@ -61,7 +62,7 @@ def encoder_inputs(pixels: np.ndarray, grids: list[Grid], vision: VisionConfig, 
         "patch_interpolation_weight": np.zeros((patches, TAPS), np.float32),
     }
     values["image_patches"][:real] = pixels
-    values["patch_positions"][:real] = np.concatenate([grid_positions(g, merge) for g in grids])
+    values["patch_positions"][:real] = np.concatenate(positions)
     values["patch_images"][:real] = np.repeat(np.arange(len(grids)), [int(np.prod(g)) for g in grids])
     values["patch_interpolation_index"][:real] = np.concatenate([index for index, _ in taps])
     values["patch_interpolation_weight"][:real] = np.concatenate([weight for _, weight in taps])
@@ -96,7 +97,7 @@ class ImagePrompt:
     digests: list[tuple[int, int, bytes]] = field(default_factory=list)
     """(first token, last token + 1, content hash) of each image: what a cached prefix must match besides ids."""
 
-    @property
+    @cached_property
     def offset(self) -> int:
         """What a token after the prompt adds to its position on every axis."""
         return int(self.positions.max()) + 1 - len(self.token_ids)
@@ -104,16 +105,18 @@ class ImagePrompt:
     def rope_positions(self, start: int, count: int) -> np.ndarray:
         """Rotary positions [count, 3] of the sequence's tokens start..start+count (past the prompt: offset)."""
         out = np.repeat(np.arange(start, start + count, dtype=np.int32)[:, None] + self.offset, 3, axis=1)
-        inside = max(0, min(len(self.token_ids), start + count) - start)
-        out[:inside] = self.positions[start:start + inside]
+        out[:self._inside(start, count)] = self.positions[start:start + count]
         return out
 
     def rows(self, start: int, count: int) -> np.ndarray:
         """Each token's row of `embeddings` (-1: text), for tokens start..start+count."""
         out = np.full(count, -1, np.int32)
-        inside = max(0, min(len(self.token_ids), start + count) - start)
-        out[:inside] = self.image_rows[start:start + inside]
+        out[:self._inside(start, count)] = self.image_rows[start:start + count]
         return out
+
+    def _inside(self, start: int, count: int) -> int:
+        """How many of the tokens start..start+count are prompt tokens."""
+        return max(0, min(len(self.token_ids), start + count) - start)
 
 
 def image_prompt(prompt_ids: list[int], embeddings: list[np.ndarray], grids: list[Grid], vision: VisionConfig,
