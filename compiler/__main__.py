@@ -1,4 +1,5 @@
-"""`python -m compiler build MODEL_DIR --target {llvm,cuda}`: compile a Hugging Face model directory ahead of time."""
+"""`python -m compiler build MODEL_DIR --target {llvm,cuda}`: compile a Hugging Face model directory ahead of time;
+`python -m compiler bundle ARTIFACT_DIR OUT`: ship an artifact with a runtime that needs no TVM install."""
 
 from __future__ import annotations
 
@@ -68,7 +69,25 @@ def main(argv: list[str]) -> int:
     b.add_argument("--force", action="store_true", help="rebuild even if the artifact is up to date")
     b.add_argument("--quiet", action="store_true", help="no progress output")
     add_debug_flag(b)
+    u = sub.add_parser("bundle", help="ARTIFACT_DIR with its model and a runtime-only Python environment in one "
+                                      "folder, OUT, that runs where there is no TVM and no network (OUT/run)")
+    u.add_argument("artifact", metavar="ARTIFACT_DIR")
+    u.add_argument("out", metavar="OUT")
+    u.add_argument("--model", help="the checkpoint the artifact was built from (default: the manifest's built_from)")
+    u.add_argument("--python", help="MAJOR.MINOR of the Python that will run the bundle (default: this one's)")
+    u.add_argument("--no-weights", action="store_true",
+                   help="leave the weights out (OUT/run ... --model DIR then names a checkpoint that has them)")
+    u.add_argument("--wheel-cache", help="where the target Python's wheels are kept (default: $RUDA_WHEEL_CACHE, "
+                                         "else ~/.cache/ruda/wheels); fetched with pip the first time")
+    add_debug_flag(u)
     args = parser.parse_args(argv)
+    if args.command == "bundle":
+        from .bundle import bundle  # after the arguments are checked: loads TVM
+
+        made = bundle(args.artifact, args.out, model_dir=args.model, python=args.python, weights=not args.no_weights,
+                      wheel_cache=args.wheel_cache)
+        print(json.dumps({"bundle": str(made.path), "bytes": made.bytes, "weights": made.weights}))
+        return 0
     from .build import build  # after the arguments are checked: loads TVM
 
     result = build(args.model_dir, target=args.target, out=args.out, prefill_buckets=args.prefill_buckets,

@@ -49,8 +49,10 @@ def is_artifact(directory: Path) -> bool:
     return MANIFEST in names and names <= set(ARTIFACT_FILES)
 
 
-def check_destination(out: Path, model_dir: Path) -> None:
-    """Refuse an output that is a file, lies below a file, holds the model, or holds anything but an artifact."""
+def check_destination(out: Path, model_dir: Path, ours: Callable[[Path], bool] = is_artifact,
+                      marker: str = MANIFEST) -> None:
+    """Refuse an output that is a file, lies below a file, holds the model, or holds anything but what this compiler
+    writes there (`ours`: an artifact, unless said otherwise, marked by its file `marker`)."""
     for parent in [out, *out.parents]:
         if parent.exists() and not parent.is_dir():
             where = "is a file" if parent == out else f"lies below {parent}, which is a file"
@@ -58,9 +60,9 @@ def check_destination(out: Path, model_dir: Path) -> None:
     model, target = model_dir.resolve(), out.resolve()
     if target == model or target in model.parents:
         raise OutputError(f"--out {out} holds the model directory {model_dir}; choose another directory")
-    if out.is_dir() and any(out.iterdir()) and not is_artifact(out):
-        raise OutputError(f"--out {out} exists and is not an artifact of this compiler (it has no manifest.json "
-                          "marking it as one); refusing to replace it: choose another --out, or remove it yourself")
+    if out.is_dir() and any(out.iterdir()) and not ours(out):
+        raise OutputError(f"--out {out} exists and is not what this compiler writes there (it has no {marker} "
+                          "marking it as ours); refusing to replace it: choose another --out, or remove it yourself")
 
 
 class BuildOutput:
@@ -74,7 +76,7 @@ class BuildOutput:
         """Write the artifact into the temporary folder with `write(folder)`, then swap it into place."""
         old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
         with _temp_files_in(self.tmp / "work"):
-            in_child_process(lambda: write(self.tmp), f"writing the artifact {self.out}")
+            in_child_process(lambda: write(self.tmp), f"writing {self.out}")
         shutil.rmtree(self.tmp / "work")
         if self.out.exists():
             self.out.rename(old)
@@ -88,9 +90,10 @@ class BuildOutput:
 
 
 @contextmanager
-def locked_output(out: Path, model_dir: Path):
-    """A BuildOutput for `out` after its checks, holding its lock; the temporary folder is gone afterwards."""
-    check_destination(out, model_dir)
+def locked_output(out: Path, model_dir: Path, ours: Callable[[Path], bool] = is_artifact, marker: str = MANIFEST):
+    """A BuildOutput for `out` after its checks (check_destination), holding its lock; the temporary folder is gone
+    afterwards."""
+    check_destination(out, model_dir, ours, marker)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         lock = _acquire(out.parent / f".{out.name}.lock", out)

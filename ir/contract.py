@@ -45,6 +45,7 @@ IR_TEXT = "ir.txt"
 ARTIFACT_FILES = (MANIFEST, MODULE, PTX_FILE, IR_FILE, IR_TEXT)  # all a build writes: a folder of only these is a (damaged) artifact
 DEFAULT_ROOT = Path("build")
 ATTENTION_ENTRIES = {"fused": "step", "legacy": "step_gather"}  # paged attention path -> the step entry that runs it
+CUDA_RUNTIME_LIBRARY = "libcudart.so.13"  # what the pinned TVM's CUDA loader links against (CUDA 13)
 MODEL_PACKAGES = ("ir", "models")  # the model definitions: a change here changes the graph an artifact implements
 
 
@@ -252,6 +253,25 @@ def build_command(model_dir: str | Path, target: str, artifact: str | Path | Non
     if artifact is not None and Path(artifact).resolve() != default_artifact_dir(model_dir, target).resolve():
         args += ["--out", str(artifact)]
     return shlex.join(args)
+
+
+def check_built_for(m: Manifest, path: Path, checkpoint: tuple, tvm_version: str, rebuild: str) -> None:
+    """The artifact at `path` must be built from this checkpoint (raw config.json, parsed config, tensor dtypes)
+    and model code with this TVM; else an ArtifactError ending with the `rebuild` command."""
+    raw_config, config, dtypes = checkpoint
+    if m.model_type != config.model_type or m.config_hash != config_hash(raw_config):
+        raise ArtifactError(f"{path} was built for another model or config.json "
+                            f"(built from {m.built_from}); rebuild: {rebuild}")
+    if m.tvm_version != tvm_version:
+        raise ArtifactError(f"{path} was built with TVM {m.tvm_version}, this is TVM {tvm_version}; "
+                            f"rebuild: {rebuild}")
+    if m.model_code_hash != source_hash(MODEL_PACKAGES):
+        raise ArtifactError(f"{path} was built by another version of the model code (ir/, models/); "
+                            f"rebuild: {rebuild}")
+    changed = [f"{name} is {dtypes.get(name)} here, {dtype} in the artifact" for p in m.params
+               for name, dtype in zip(p.sources, p.source_dtypes) if dtypes.get(name) != dtype]
+    if changed:
+        raise ArtifactError(f"{path} was built for other weights ({changed[0]}); rebuild: {rebuild}")
 
 
 def read_manifest(artifact_dir: Path, rebuild: str) -> Manifest:

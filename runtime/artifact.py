@@ -12,15 +12,13 @@ import tvm
 from tvm.runtime.vm import VirtualMachine
 
 from ir.contract import (
-    MODEL_PACKAGES,
     MODULE,
     ArtifactError,
     Manifest,
     build_command,
-    config_hash,
+    check_built_for,
     default_artifact_dir,
     read_manifest,
-    source_hash,
     verify_files,
 )
 from ir.cpu_features import missing_host_features
@@ -70,20 +68,7 @@ def _check_target(manifest: Manifest, model_dir: Path, path: Path, artifact, tar
 def _check_manifest(m: Manifest, model_dir: Path, path: Path, target: str, device, checkpoint: tuple,
                     rebuild: str) -> None:
     """The artifact must be built from this checkpoint and model code with this TVM, for this machine."""
-    raw_config, config, dtypes = checkpoint
-    if m.model_type != config.model_type or m.config_hash != config_hash(raw_config):
-        raise ArtifactError(f"{path} was built for another model or config.json "
-                            f"(built from {m.built_from}); rebuild: {rebuild}")
-    if m.tvm_version != tvm.__version__:
-        raise ArtifactError(f"{path} was built with TVM {m.tvm_version}, this is TVM {tvm.__version__}; "
-                            f"rebuild: {rebuild}")
-    if m.model_code_hash != source_hash(MODEL_PACKAGES):
-        raise ArtifactError(f"{path} was built by another version of the model code (ir/, models/); "
-                            f"rebuild: {rebuild}")
-    changed = [f"{name} is {dtypes.get(name)} here, {dtype} in the artifact" for p in m.params
-               for name, dtype in zip(p.sources, p.source_dtypes) if dtypes.get(name) != dtype]
-    if changed:
-        raise ArtifactError(f"{path} was built for other weights ({changed[0]}); rebuild: {rebuild}")
+    check_built_for(m, path, checkpoint, tvm.__version__, rebuild)
     if target == "cuda":
         arch = int(m.target.arch.removeprefix("sm_"))
         here = int(device.compute_version.replace(".", ""))

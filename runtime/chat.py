@@ -92,12 +92,18 @@ class Attachments:
         """Forget every image."""
         self.images, self.pending = [], 0
 
+    @staticmethod
+    def joined(images: list[tuple[PreprocessedImages, int]]) -> PreprocessedImages:
+        """A prompt's images (from in_prompt) as one batch (the image library is loaded only for image chats)."""
+        from .images import PreprocessedImages
+
+        return PreprocessedImages.concatenate([image for image, _ in images])
+
 
 def chat(pipeline, config, system: str | None, read=input, write=sys.stdout.write) -> None:
     """Run the conversation loop until EOF or Ctrl-C at the prompt."""
     from dataclasses import replace
 
-    from .images import PreprocessedImages
     from .sampling import SamplingGenerationConfig
 
     history = [{"role": "system", "content": system}] if system else []
@@ -142,7 +148,7 @@ def chat(pipeline, config, system: str | None, read=input, write=sys.stdout.writ
         images = attachments.in_prompt(prompt)
         try:
             stream = pipeline.stream_images(pipeline.encode(prompt, add_special_tokens=False),
-                                            PreprocessedImages.concatenate([image for image, _ in images]),
+                                            Attachments.joined(images),
                                             config_now) if images else \
                 stream_text(prompt, config_now, add_special_tokens=False)
             for delta in stream:

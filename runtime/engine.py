@@ -25,6 +25,7 @@ from ir.graph import PAGED_KV_ROLES, PATCHES, RECURRENT_ROLES, ROWS, TOKENS
 
 from .artifact import TARGETS, last_line, open_artifact
 from .cpu import use_all_cores
+from .cuda import load_cuda
 from .vision import ImagePrompt, encoder_inputs, pack_images
 from .weights import load_params
 
@@ -130,12 +131,11 @@ class CompiledModel:
         if not isinstance(device, str) or device not in TARGETS:
             raise GenerationError(f"device {device!r} is not supported; valid: {', '.join(TARGETS)}")
         self.target = TARGETS[device]
-        self.device = tvm.cpu() if device == "cpu" else tvm.cuda(0)
-        if not self.device.exist:
-            raise GenerationError("--device cuda: no CUDA GPU is visible on this machine; run on a machine with an "
-                                  "NVIDIA GPU and driver, or use --device cpu")
         if device == "cpu":
             use_all_cores()  # before the first parallel kernel starts TVM's thread pool
+        else:
+            load_cuda()  # the driver, CUDA runtime and TVM's CUDA loader, or an error naming what is missing
+        self.device = tvm.cpu() if device == "cpu" else tvm.cuda(0)
         self.model_dir = Path(model_dir)
         raw, self.config, entries, dtypes = models.load_checkpoint(model_dir)
         opened = open_artifact(self.model_dir, artifact, self.target, self.device, (raw, self.config, dtypes))
