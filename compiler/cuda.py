@@ -17,6 +17,7 @@ shared memory and block barriers only.
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import shutil
@@ -30,7 +31,7 @@ import tvm_ffi
 from tvm import tirx
 from tvm.tirx import compilation_pipeline
 
-from ir.contract import TargetSpec
+from ir.contract import IR_FILE, PTX_FILE, TargetSpec, read_manifest
 from ir.errors import RudaError
 
 from .options import ARCHS, COMPILER_ENV, COMPILERS, PTX_VERSION_ENV
@@ -278,3 +279,20 @@ def export_with_ptx(executable, path: Path, target: CudaTarget) -> list[str]:
 
     executable.mod.export_library(str(path), fpack_imports=pack)
     return modules
+
+
+def kernel_launches(artifact: Path) -> dict[str, int]:
+    """The GPU kernels each VM function of a CUDA artifact launches per call: every op of its entry is one kernel
+    function, which launches each of its device kernels (`NAME_kernel`, `NAME_kernel_1`, ... in the PTX) once."""
+    from ir.serialize import from_json
+
+    from .lower import op_signature
+
+    manifest = read_manifest(artifact, f"python -m compiler build MODEL_DIR --target cuda --out {artifact}")
+    program = from_json((artifact / IR_FILE).read_text())
+    entries = collections.Counter(re.findall(r"\.entry\s+(\w+?)_kernel(?:_\d+)?\(", (artifact / PTX_FILE).read_text()))
+    launches = {}
+    for name, entry, dims in manifest.buckets.functions(program):
+        graph = program.entries[entry]
+        launches[name] = sum(entries[op_signature(graph, program, op, dims).name] for op in graph.ops)
+    return launches

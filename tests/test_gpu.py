@@ -10,6 +10,7 @@ from test_cuda_build import nvrtc_available
 from test_models_vs_transformers import assert_logits_close
 from test_qwen35_vs_transformers import reference_model
 
+from benchmarks.gpu_check import KERNEL_CASES, kernel_inputs
 from compiler.build import build
 from runtime import CompiledModel, GreedyGenerationConfig, generate, load_pipeline
 
@@ -74,38 +75,18 @@ def test_gpu_image_prompts_equal_cpu(tiny_factory, tmp_path):
         cpu.generate_image_files_greedy(prompt, files, config=config).generated_token_ids
 
 
-PAGE_TABLE = np.arange(256, dtype=np.int32)[::-1].reshape(1, 256).copy()  # one sequence's pages, scattered
-KERNEL_CASES = {  # real Qwen2.5-0.5B widths (arrays: int inputs as given): decode GEMV, prefill GEMM with bias, norms,
-    # paged attention of a decode token at position 3001
-    "gemv": ("linear", [((1, 896), "float32"), ((4864, 896), "bfloat16")], {}),
-    "gemm-bias": ("linear", [((64, 896), "float32"), ((1152, 896), "bfloat16"), ((1152,), "bfloat16")], {}),
-    "gemm-f32": ("linear", [((32, 4864), "float32"), ((896, 4864), "float32")], {}),
-    "norm-decode": ("rms_norm", [((1, 896), "float32"), ((896,), "bfloat16")], {"eps": 1e-6}),
-    "norm-prefill": ("add_rms_norm", [((16, 896), "float32"), ((16, 896), "float32"), ((896,), "float32")],
-                     {"eps": 1e-6}),
-    "attention-decode": ("paged_attention", [((1, 896), "float32"), ((256, 16, 128), "float32"),
-                                             ((256, 16, 128), "float32"), PAGE_TABLE, np.zeros(1, np.int32),
-                                             np.array([3001], np.int32)],
-                         {"num_heads": 14, "num_kv_heads": 2, "head_dim": 64, "scale": 0.125}),
-}
-
-
 @pytest.mark.parametrize("compiler", COMPILERS)
 @pytest.mark.parametrize("case", sorted(KERNEL_CASES))
 def test_gpu_kernels_match_the_cpu_kernels(case, compiler):
     """Each GPU schedule (split reductions through shared memory, tiled GEMM) against the same kernel on the CPU."""
-    import ml_dtypes
-
     from compiler import cuda
     from compiler.kernels import make_kernel
     from compiler.target import cpu_target
     from ir import OPS, TensorType, infer_types
     from schedules import cpu, gpu
 
-    kind, specs, attrs = KERNEL_CASES[case]
-    rng = np.random.default_rng(0)
-    inputs = [spec if isinstance(spec, np.ndarray) else rng.standard_normal(spec[0]).astype(np.float32).astype(
-        ml_dtypes.bfloat16 if spec[1] == "bfloat16" else np.float32) for spec in specs]
+    kind, _, attrs = KERNEL_CASES[case]
+    inputs = kernel_inputs(case)
     types = [TensorType(x.shape, str(x.dtype)) for x in inputs]
     every = infer_types(kind, types, attrs)
     outs = [o for o, src in zip(every, OPS[kind].sources(len(every))) if src < 0]

@@ -1,0 +1,475 @@
+"""The one-shot GPU check: prepared on a build machine, run on a GPU machine that has a driver and Python 3.12 but no
+TVM, no compiler and no network.
+
+    python -m benchmarks.gpu_check prepare PAYLOAD [--models M,..] [--paths ptx,nvrtc,nvcc] [--kernels K,..]
+                                                   [--no-bench]                         (scripts/gpu_bundle.sh)
+    python3 PAYLOAD/bundle/python/gpu_check.py run PAYLOAD OUT                          (scripts/gpu_run.sh)
+    python -m benchmarks.gpu_check check-rehearsal OUT/results.jsonl PAYLOAD            (after a rehearsal)
+
+`prepare` writes PAYLOAD: a deploy bundle (the qwen2 tiny model through the ptx path) whose Python environment
+every case uses; sm_90 CUDA artifacts of tiny Llama, Qwen2 and Qwen3.5 checkpoints through each CUDA path, with
+their transformers logits and the CPU artifact's greedy tokens as references; single-kernel modules at real
+Qwen2.5-0.5B widths with the CPU kernels' outputs; a 0.5B-shape bf16 artifact whose checkpoint the device
+regenerates from a seed and checks by hash. `run` needs nothing else: each case runs in its own process with a
+timeout, one JSON line per case goes to OUT/results.jsonl as it ends, a failing case is rerun once with
+CUDA_LAUNCH_BLOCKING=1 (so the error names the kernel), and a driver that is too old stops it at once.
+
+This file is copied into the payload: the `run` side imports only the standard library, numpy and the bundle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ir.contract import file_digest
+
+MODELS = {"qwen2-bf16": dict(arch="qwen2", dtype="bfloat16"), "llama-f32-mha": dict(arch="llama", num_key_value_heads=4),
+          "qwen3_5-bf16": dict(arch="qwen3_5", dtype="bfloat16", num_hidden_layers=3)}
+PATHS = ("ptx", "nvrtc", "nvcc")
+ARCH = "sm_90"  # the H200
+BUCKETS = dict(prefill_buckets=(8, 16), max_context=128)
+PROMPT_TOKENS, DECODE_STEPS, GREEDY_TOKENS = 24, 15, 32
+BUNDLED = ("qwen2-bf16", "ptx")  # the case whose artifact the payload's bundle holds
+PAGE_TABLE = np.arange(256, dtype=np.int32)[::-1].reshape(1, 256).copy()  # one sequence's pages, scattered
+KERNEL_CASES = {  # real Qwen2.5-0.5B widths (arrays: int inputs as given): decode GEMV, prefill GEMM with bias, norms,
+    # paged attention of a decode token at position 3001
+    "gemv": ("linear", [((1, 896), "float32"), ((4864, 896), "bfloat16")], {}),
+    "gemm-bias": ("linear", [((64, 896), "float32"), ((1152, 896), "bfloat16"), ((1152,), "bfloat16")], {}),
+    "gemm-f32": ("linear", [((32, 4864), "float32"), ((896, 4864), "float32")], {}),
+    "norm-decode": ("rms_norm", [((1, 896), "float32"), ((896,), "bfloat16")], {"eps": 1e-6}),
+    "norm-prefill": ("add_rms_norm", [((16, 896), "float32"), ((16, 896), "float32"), ((896,), "float32")],
+                     {"eps": 1e-6}),
+    "attention-decode": ("paged_attention", [((1, 896), "float32"), ((256, 16, 128), "float32"),
+                                             ((256, 16, 128), "float32"), PAGE_TABLE, np.zeros(1, np.int32),
+                                             np.array([3001], np.int32)],
+                         {"num_heads": 14, "num_kv_heads": 2, "head_dim": 64, "scale": 0.125}),
+}
+BENCH = dict(shape="qwen2.5-0.5b", dtype="bfloat16", seed=0, tokens=128, runs=3)
+H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e peak
+TIMEOUTS = {"env": 60, "kernel": 120, "model": 180, "bundle": 180, "bench": 420}
+NOTE = "note: "  # a case's progress lines on stderr, kept in its record
+BUDGET_SECONDS = 450  # the whole run: no new case starts after this (the device loan is 15 minutes, start-up included)
+
+
+def kernel_inputs(case: str) -> list[np.ndarray]:
+    """A kernel case's inputs, the same on every machine (random ones drawn from seed 0)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    return [spec if isinstance(spec, np.ndarray) else rng.standard_normal(spec[0]).astype(np.float32).astype(
+        ml_dtypes.bfloat16 if spec[1] == "bfloat16" else np.float32) for spec in KERNEL_CASES[case][1]]
+
+
+def prompt_ids(vocab: int) -> list[int]:
+    """The prompt of the model cases."""
+    return [int(t) for t in np.random.default_rng(0).integers(0, vocab, PROMPT_TOKENS)]
+
+
+# ---------------------------------------------------------------- run (on the GPU machine) -----------------------
+
+def cases(payload: Path, cpu: bool = False) -> list[str]:
+    """Every case the payload holds, in the order they run; with `cpu`, the model cases on the CPU artifacts too."""
+    listed = json.loads((payload / "cases.json").read_text())
+    return ["env", *listed["kernels"], *listed["models"], "bundle", *(["bench"] if listed["bench"] else []),
+            *([f"model:{m}:cpu" for m in listed["cpu"]] if cpu else [])]
+
+
+def run_case(payload: Path, name: str) -> dict:
+    """One case's measurements; raises when it fails. Model cases of path `cpu` run the CPU artifact (rehearsals)."""
+    kind, _, rest = name.partition(":")
+    if kind == "env":
+        return _env()
+    if not name.endswith(":cpu"):
+        from runtime.cuda import load_cuda
+
+        load_cuda()
+    if kind == "kernel":
+        return _kernel(payload, *rest.split(":"))
+    if kind == "model":
+        return _model(payload, *rest.split(":"))
+    if kind == "bundle":
+        return _bundle(payload)
+    return _bench(payload)
+
+
+def _env() -> dict:
+    import platform
+
+    from runtime.cuda import CudaUnavailable, load_cuda_libraries
+
+    info = {"python": platform.python_version(), "machine": platform.machine()}
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,compute_cap",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        info["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        info["nvidia_smi"] = f"unavailable: {e}"
+    try:
+        driver = load_cuda_libraries()
+    except CudaUnavailable as e:
+        raise SystemExit(f"STOP {e}")  # no usable driver: nothing else can run
+    import ctypes
+
+    version = ctypes.c_int(0)
+    driver.cuDriverGetVersion(ctypes.byref(version))
+    info["driver_cuda_version"] = f"{version.value // 1000}.{version.value % 1000 // 10}"
+    return info
+
+
+def _kernel(payload: Path, case: str, path: str) -> dict:
+    import tvm
+
+    data = np.load(payload / "kernels" / f"{case}.npz")
+    lib = tvm.runtime.load_module(str(payload / "kernels" / f"{case}-{path}.so"))
+    dev = tvm.cuda(0)
+    inputs = kernel_inputs(case)
+    wants = [data[f"out{i}"] for i in range(len(data.files))]
+    args = [tvm.runtime.tensor(x, dev) for x in inputs] + [tvm.runtime.empty(w.shape, str(w.dtype), dev) for w in wants]
+    lib["main"](*args)
+    errors = []
+    for got, want in zip((a.numpy() for a in args[len(inputs):]), wants):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+        errors.append(float(np.abs(got.astype(np.float64) - want).max()))
+    return {"max_abs_error": max(errors)}
+
+
+def _logits_close(ours: np.ndarray, theirs: np.ndarray) -> float:
+    tol = 1e-4 * max(1.0, float(np.abs(theirs).max()))
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=tol)
+    return float(np.abs(ours - theirs).max())
+
+
+def _model(payload: Path, model: str, path: str) -> dict:
+    from runtime import CompiledModel, GreedyGenerationConfig, generate
+
+    ref = np.load(payload / "references" / f"{model}.npz")
+    artifact = payload / ("cpu" if path == "cpu" else "cuda") / (model if path == "cpu" else f"{model}-{path}")
+    ours = CompiledModel(payload / "models" / model, artifact, device="cpu" if path == "cpu" else "cuda")
+    prompt, steps = [int(t) for t in ref["prompt"]], [int(t) for t in ref["steps"]]
+    cache = ours.new_cache(len(prompt) + len(steps) + 1)
+    worst = _logits_close(ours.forward(prompt, cache), ref["logits"][0])
+    for k, token in enumerate(steps):
+        worst = max(worst, _logits_close(ours.forward([token], cache), ref["logits"][k + 1]))
+    cache.release()
+    tokens = generate(ours, [5, 6, 7], GreedyGenerationConfig(GREEDY_TOKENS, eos_token_ids=[])).generated_token_ids
+    if tokens != [int(t) for t in ref["greedy"]]:
+        raise AssertionError(f"greedy tokens differ from the CPU artifact's: {tokens} vs {ref['greedy'].tolist()}")
+    return {"max_logit_error": worst, "steps": len(steps) + 1, "greedy_tokens": len(tokens)}
+
+
+def _bundle(payload: Path) -> dict:
+    """The bundle's own launcher, as a user runs it: its tokens equal the CPU artifact's."""
+    bundle = payload / "bundle"
+    result = subprocess.run([str(bundle / "run"), "generate", "hello", "16"], capture_output=True, text=True,
+                            env={**os.environ, "RUDA_PYTHON": sys.executable}, timeout=TIMEOUTS["bundle"])
+    if result.returncode != 0:
+        raise RuntimeError((result.stderr.strip().splitlines() or ["the bundle failed"])[-1])
+    run = json.loads(result.stdout.splitlines()[-1])
+    want = json.loads((payload / "references" / "bundle.json").read_text())["generated_token_ids"]
+    if run["generated_token_ids"] != want:
+        raise AssertionError(f"bundle tokens {run['generated_token_ids']} differ from the CPU artifact's {want}")
+    return {"tokens": len(want), "decode_tokens_per_s": run["decode_tokens_per_s"]}
+
+
+def regenerate_checkpoint(payload: Path, work: Path) -> Path:
+    """The benchmark checkpoint, written from its seed into `work` and checked against the hash taken where it was
+    built."""
+    from models.tiny import random_weights, save_weights
+
+    spec = json.loads((payload / "bench" / "checkpoint.json").read_text())
+    out = work / "bench-checkpoint"
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((payload / "bench" / "config.json").read_text())
+    save_weights(random_weights(config, seed=spec["seed"]), out)
+    (out / "config.json").write_bytes((payload / "bench" / "config.json").read_bytes())
+    digest = file_digest(out / "model.safetensors")
+    if digest != spec["sha256"]:
+        raise AssertionError(f"the regenerated checkpoint's hash {digest[:12]} is not the built one's "
+                             f"{spec['sha256'][:12]} (numpy draws differently here)")
+    return out
+
+
+def _bench(payload: Path) -> dict:
+    from runtime import CompiledModel
+
+    start = time.perf_counter()
+    model_dir = regenerate_checkpoint(payload, Path(os.environ.get("GPU_CHECK_WORK", payload)))
+    regenerated = time.perf_counter() - start
+    print(f"{NOTE}checkpoint regenerated in {regenerated:.1f} s, sha256 matches", file=sys.stderr, flush=True)
+    spec = json.loads((payload / "bench" / "checkpoint.json").read_text())
+    model = CompiledModel(model_dir, payload / "bench" / "artifact", device="cuda")
+    tokens = BENCH["tokens"]
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, model.config.vocab_size, tokens)]
+    prefill, decode = [], []
+    for _ in range(BENCH["runs"]):
+        cache = model.new_cache(2 * tokens)
+        t0 = time.perf_counter()
+        token = int(np.argmax(model.forward(prompt, cache)))
+        t1 = time.perf_counter()
+        for _ in range(tokens):
+            token = int(np.argmax(model.forward([token], cache)))
+        t2 = time.perf_counter()
+        cache.release()
+        prefill.append(tokens / (t1 - t0))
+        decode.append(tokens / (t2 - t1))
+    decode_rate = float(np.median(decode))
+    step_bytes = spec["weight_bytes_per_token"]
+    return {"model": f"{BENCH['shape']}-shape {BENCH['dtype']}", "regenerate_seconds": round(regenerated, 1),
+            "prefill_tokens_per_s": round(float(np.median(prefill)), 1), "decode_tokens_per_s": round(decode_rate, 1),
+            "ms_per_step": round(1000 / decode_rate, 3), "bytes_per_step": step_bytes,
+            "achieved_bandwidth_gb_s": round(step_bytes * decode_rate / 1e9, 1),
+            "roofline_tokens_per_s": round(H200_BANDWIDTH / step_bytes, 1),
+            "kernels_per_decode_step": spec["kernels_per_decode_step"]}
+
+
+def run(payload: Path, out: Path) -> int:
+    """Run every case, each in its own process, appending one JSON line per case to OUT/results.jsonl."""
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "results.jsonl"
+    start, statuses = time.perf_counter(), []
+    names = cases(payload, cpu=bool(os.environ.get("GPU_CHECK_CPU_CASES")))
+    for name in names:
+        if time.perf_counter() - start > BUDGET_SECONDS:
+            _append(results, {"case": name, "status": "skipped", "reason": "out of time"})
+            statuses.append("skipped")
+            continue
+        record = _child(payload, name, {})
+        if record["status"] != "pass" and name != "env":
+            _append(results, record)
+            record = _child(payload, name, {"CUDA_LAUNCH_BLOCKING": "1"})
+            record["rerun"] = "CUDA_LAUNCH_BLOCKING=1"
+        _append(results, record)
+        statuses.append(record["status"])
+        if record.get("stop"):
+            break
+    _append(results, {"case": "summary", "cases": len(names), **{s: statuses.count(s) for s in sorted(set(statuses))},
+                      "seconds": round(time.perf_counter() - start, 1)})
+    return 0 if statuses == ["pass"] * len(names) else 1
+
+
+def _child(payload: Path, name: str, env: dict) -> dict:
+    t0 = time.perf_counter()
+    timeout = TIMEOUTS[name.split(":")[0]]
+    try:
+        done = subprocess.run([sys.executable, __file__, "case", str(payload), name], capture_output=True,
+                              text=True, timeout=timeout, env={**os.environ, **env})
+    except subprocess.TimeoutExpired:
+        return {"case": name, "status": "timeout", "seconds": timeout}
+    seconds = round(time.perf_counter() - t0, 2)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode == 0 and lines:
+        return {"case": name, "status": "pass", "seconds": seconds, **json.loads(lines[-1])}
+    errors = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    record = {"case": name, "status": "fail", "seconds": seconds, "error": errors[-1] if errors else
+              f"exit {done.returncode}", "notes": [line[len(NOTE):] for line in errors if line.startswith(NOTE)],
+              "stderr_tail": errors[-12:]}
+    if record["error"].startswith("STOP "):
+        record.update(error=record["error"][5:], stop=True)
+    return record
+
+
+def _append(path: Path, record: dict) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    print(json.dumps(record), flush=True)
+
+
+# ---------------------------------------------------------------- prepare (on the build machine) -------------------
+
+def prepare(payload: Path, models: tuple[str, ...], paths: tuple[str, ...], kernels: tuple[str, ...], bench: bool,
+            cache: Path) -> None:
+    """Write everything the GPU run needs into `payload` (the bundled model and path are always among them)."""
+    import shutil
+
+    from compiler.build import build
+    from compiler.bundle import bundle
+    from models.tiny import write_tiny_checkpoint
+
+    payload.mkdir(parents=True, exist_ok=True)
+    listed = {"kernels": [], "models": [], "cpu": list(models), "bench": bench, "paths": list(paths)}
+    for model in models:
+        model_dir = write_tiny_checkpoint(payload / "models" / model, **MODELS[model])
+        build(model_dir, out=payload / "cpu" / model, quiet=True, **BUCKETS)
+        for path in paths:
+            build(model_dir, target="cuda", arch=ARCH, cuda_compiler=path, out=payload / "cuda" / f"{model}-{path}",
+                  quiet=True, **BUCKETS)
+            listed["models"].append(f"model:{model}:{path}")
+        _references(payload, model)
+    model, path = BUNDLED
+    bundle(payload / "cuda" / f"{model}-{path}", payload / "bundle", model_dir=payload / "models" / model,
+           python="3.12")
+    shutil.copy2(__file__, payload / "bundle" / "python" / "gpu_check.py")
+    _add_wheel(payload / "bundle" / "python", "safetensors")  # the benchmark checkpoint is written on the device
+    _bundle_reference(payload)
+    for case in kernels:
+        _kernel_modules(payload, case, paths)
+        listed["kernels"] += [f"kernel:{case}:{path}" for path in paths]
+    if bench:
+        _bench_artifact(payload, cache)
+    (payload / "cases.json").write_text(json.dumps(listed, indent=1) + "\n")
+
+
+def _references(payload: Path, model: str) -> None:
+    """transformers' logits of the prompt and 15 greedy steps; the CPU artifact's 32 greedy tokens."""
+    import torch
+    import transformers
+
+    from runtime import CompiledModel, GreedyGenerationConfig, generate
+
+    model_dir = payload / "models" / model
+    if model.startswith("qwen3_5"):
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from test_qwen35_vs_transformers import reference_model
+
+        hf = reference_model(model_dir)
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cpu = CompiledModel(model_dir, payload / "cpu" / model)
+    prompt = prompt_ids(cpu.config.vocab_size)
+    logits, steps = [], []
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), use_cache=True)
+        for _ in range(DECODE_STEPS + 1):
+            logits.append(out.logits[0, -1].numpy())
+            token = int(out.logits[0, -1].argmax())
+            if len(steps) < DECODE_STEPS:
+                steps.append(token)
+                out = hf(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    greedy = generate(cpu, [5, 6, 7], GreedyGenerationConfig(GREEDY_TOKENS, eos_token_ids=[])).generated_token_ids
+    (payload / "references").mkdir(exist_ok=True)
+    np.savez(payload / "references" / f"{model}.npz", prompt=np.array(prompt), steps=np.array(steps),
+             logits=np.stack(logits), greedy=np.array(greedy))
+
+
+def _bundle_reference(payload: Path) -> None:
+    """What `bundle/run generate hello 16` prints with the CPU artifact of the same model."""
+    from runtime import GreedyGenerationConfig, load_pipeline
+
+    model, _ = BUNDLED
+    pipeline = load_pipeline(payload / "models" / model, payload / "cpu" / model)
+    r = pipeline.generate_text("hello", GreedyGenerationConfig(16), add_special_tokens=True, skip_special_tokens=True)
+    (payload / "references" / "bundle.json").write_text(json.dumps({"generated_token_ids": r.generated_token_ids}))
+
+
+def _add_wheel(site: Path, distribution: str) -> None:
+    from compiler.bundle import _unpack, default_wheel_cache, fetch_wheels
+
+    for wheel in fetch_wheels((distribution,), "3.12", default_wheel_cache()):
+        _unpack(wheel, site)
+
+
+def _kernel_modules(payload: Path, case: str, paths: tuple[str, ...]) -> None:
+    """The case's GPU kernel through each path as a loadable module, and the CPU kernel's outputs."""
+    import tvm
+
+    from compiler import cuda
+    from compiler.kernels import make_kernel
+    from compiler.target import cpu_target
+    from ir import OPS, TensorType, infer_types
+    from schedules import cpu, gpu
+
+    kind, _, attrs = KERNEL_CASES[case]
+    inputs = kernel_inputs(case)
+    types = [TensorType(x.shape, str(x.dtype)) for x in inputs]
+    every = infer_types(kind, types, attrs)
+    outs = [o for o, src in zip(every, OPS[kind].sources(len(every))) if src < 0]
+    cuda.prepare_environment()
+    folder = payload / "kernels"
+    folder.mkdir(exist_ok=True)
+    for path in paths:
+        target = cuda.cuda_target(ARCH, path)
+        func = gpu.schedule(make_kernel(kind, types, attrs).func, kind, attrs, target)
+        lib = tvm.compile(func, target.tvm_target(), tir_pipeline=target.tir_pipeline())
+        cuda.export_with_ptx(lib, folder / f"{case}-{path}.so", target)  # PTX in the module, as in an artifact
+    host = cpu_target()
+    lib = tvm.compile(cpu.schedule(make_kernel(kind, types, attrs).func, kind, attrs, host), host.tvm_target())
+    args = [tvm.runtime.tensor(x) for x in inputs] + [tvm.runtime.empty(o.shape, o.dtype) for o in outs]
+    lib["main"](*args)
+    np.savez(folder / f"{case}.npz", **{f"out{i}": a.numpy() for i, a in enumerate(args[len(inputs):])})
+
+
+def _bench_artifact(payload: Path, cache: Path) -> None:
+    """The 0.5B-shape artifact, the checkpoint's config, seed and hash (its weights are written on the device)."""
+    import shutil
+
+    from benchmarks.checkpoints import real_shape_checkpoint, weight_bytes_per_token
+    from compiler.build import build
+    from compiler.cuda import kernel_launches
+    from ir.contract import Buckets
+
+    model_dir = real_shape_checkpoint(cache, BENCH["shape"], BENCH["dtype"])
+    folder = payload / "bench"
+    folder.mkdir(exist_ok=True)
+    artifact = build(model_dir, target="cuda", arch=ARCH, out=folder / "artifact", prefill_buckets=(BENCH["tokens"],),
+                     max_context=2 * BENCH["tokens"], batch_rows=(1,), quiet=True).path
+    shutil.copy2(model_dir / "config.json", folder / "config.json")
+    (folder / "checkpoint.json").write_text(json.dumps({
+        "shape": BENCH["shape"], "dtype": BENCH["dtype"], "seed": BENCH["seed"],
+        "sha256": file_digest(model_dir / "model.safetensors"),
+        "weight_bytes_per_token": weight_bytes_per_token(model_dir),
+        "kernels_per_decode_step": kernel_launches(artifact)[Buckets.function_name("step", {"tokens": 1, "rows": 1})]},
+        indent=1) + "\n")
+
+
+def check_rehearsal(results: Path, payload: Path) -> int:
+    """After a rehearsal with the stand-in driver: every case ran; the CPU cases passed; every GPU case got as far as
+    its first GPU call (its error is CUDA's) and was rerun; the benchmark's checkpoint matched its hash."""
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    payload_cases = cases(payload, cpu=True)
+    final = {r["case"]: r for r in records}
+    problems = [f"{name}: not run" for name in payload_cases if name not in final]
+    for name in payload_cases:
+        r = final.get(name)
+        if r is None:
+            continue
+        if name == "env" or name.endswith(":cpu"):
+            if r["status"] != "pass":
+                problems.append(f"{name}: {r['status']} ({r.get('error')})")
+        elif r["status"] != "fail" or "CUDA" not in r.get("error", "") or r.get("rerun") is None:
+            problems.append(f"{name}: expected to stop at its first GPU call, got {r['status']} ({r.get('error')})")
+        elif name == "bench" and not any("sha256 matches" in line for line in r.get("notes", [])):
+            problems.append(f"bench: the checkpoint was not regenerated and matched ({r.get('error')})")
+    seconds = final.get("summary", {}).get("seconds")
+    print(json.dumps({"rehearsal": "ok" if not problems else "FAILED", "cases": len(payload_cases),
+                      "seconds": seconds, "problems": problems}, indent=1))
+    return 1 if problems else 0
+
+
+def main(argv: list[str]) -> int:
+    """Dispatch `prepare`, `run`, `case` or `check-rehearsal`."""
+    command, *args = argv
+    if command == "check-rehearsal":
+        return check_rehearsal(Path(args[0]), Path(args[1]))
+    if command == "case":
+        print(json.dumps(run_case(Path(args[0]), args[1])))
+        return 0
+    if command == "run":
+        return run(Path(args[0]), Path(args[1]))
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check prepare")
+    parser.add_argument("payload")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--kernels", default=",".join(KERNEL_CASES))
+    parser.add_argument("--no-bench", action="store_true")
+    parser.add_argument("--cache", default=str(Path.home() / ".cache" / "ruda" / "gpu-check"),
+                        help="where the 0.5B-shape checkpoint is kept between preparations")
+    parsed = parser.parse_args(args)
+    models, paths = parsed.models.split(","), parsed.paths.split(",")
+    if BUNDLED[0] not in models or BUNDLED[1] not in paths:
+        parser.error(f"--models must hold {BUNDLED[0]} and --paths {BUNDLED[1]}: the bundle is made of them")
+    prepare(Path(parsed.payload), tuple(models), tuple(paths), tuple(parsed.kernels.split(",")), not parsed.no_bench,
+            Path(parsed.cache))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

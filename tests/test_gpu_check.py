@@ -1,0 +1,64 @@
+"""The one-shot GPU check, rehearsed as scripts/gpu_bundle.sh does it, on a small payload (the bundled model through
+the direct PTX path, one kernel, no benchmark): scripts/gpu_run.sh runs it under Python 3.12 with the stand-in
+driver, every GPU case gets as far as its first GPU call and is rerun, and the CPU cases pass."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from cuda_standin import tvm_cuda_loader, write_standin
+from test_bundle import PYTHON
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(PYTHON is None, reason="no Python 3.12 interpreter on this machine")
+
+
+def test_gpu_check_rehearsal(tmp_path):
+    payload = tmp_path / "payload"
+    prepare = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "prepare", str(payload),
+                              "--models", "qwen2-bf16", "--paths", "ptx", "--kernels", "gemv", "--no-bench"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert prepare.returncode == 0, prepare.stderr[-3000:]
+    with tarfile.open(tmp_path / "payload.tar.gz", "w:gz") as tar:
+        tar.add(payload, arcname="payload")
+    standin = write_standin(tmp_path / "standin", tvm_cuda_loader()).parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "TVM_"))}
+    env.update(LD_LIBRARY_PATH=str(standin), RUDA_STANDIN_DEVICES="1", GPU_CHECK_CPU_CASES="1", RUDA_PYTHON=PYTHON,
+               PAYLOAD=str(tmp_path / "payload.tar.gz"), OUT=str(tmp_path / "out"))
+    run = subprocess.run([str(ROOT / "scripts" / "gpu_run.sh")], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 1, run.stderr  # the GPU cases fail at the stand-in
+    records = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    env_case = records[0]
+    assert env_case["case"] == "env" and env_case["status"] == "pass" and env_case["python"].startswith("3.12")
+    assert env_case["driver_cuda_version"] == "13.0"
+    reruns = [r for r in records if r.get("rerun") == "CUDA_LAUNCH_BLOCKING=1"]
+    assert {r["case"] for r in reruns} == {"kernel:gemv:ptx", "model:qwen2-bf16:ptx", "bundle"}
+    check = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "check-rehearsal",
+                            str(tmp_path / "out" / "results.jsonl"), str(payload)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+    assert check.returncode == 0, check.stdout
+    assert json.loads(check.stdout)["rehearsal"] == "ok"
+
+
+def test_gpu_check_stops_at_a_driver_that_is_too_old(tmp_path, monkeypatch):
+    """With a driver for CUDA 12.8, the env case says so and nothing else runs."""
+    from benchmarks.gpu_check import run
+
+    payload = tmp_path / "payload"
+    payload.mkdir()
+    (payload / "cases.json").write_text(json.dumps({"kernels": ["kernel:gemv:ptx"], "models": [], "cpu": [],
+                                                    "bench": False}))
+    standin = write_standin(tmp_path / "standin", tvm_cuda_loader()).parent
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(standin))
+    monkeypatch.setenv("RUDA_STANDIN_DRIVER_VERSION", "12080")
+    assert run(payload, tmp_path / "out") == 1
+    records = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert [r["case"] for r in records] == ["env", "summary"]
+    assert records[0]["stop"] and "driver >= 580" in records[0]["error"]
