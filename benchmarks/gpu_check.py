@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -52,6 +53,7 @@ KERNEL_CASES = {  # real Qwen2.5-0.5B widths (arrays: int inputs as given): deco
                          {"num_heads": 14, "num_kv_heads": 2, "head_dim": 64, "scale": 0.125}),
 }
 BENCH = dict(shape="qwen2.5-0.5b", dtype="bfloat16", seed=0, tokens=128, runs=3)
+DECODE_FUNCTION = "step_t1_r1"  # one token of one sequence
 H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e peak
 TIMEOUTS = {"env": 60, "kernel": 120, "model": 180, "bundle": 180, "bench": 420}
 NOTE = "note: "  # a case's progress lines on stderr, kept in its record
@@ -220,13 +222,26 @@ def _bench(payload: Path) -> dict:
         prefill.append(tokens / (t1 - t0))
         decode.append(tokens / (t2 - t1))
     decode_rate = float(np.median(decode))
+    import tvm
+
+    text = tvm.runtime.load_module(str(payload / "bench" / "artifact" / "model.so"))["as_text"]()
     step_bytes = spec["weight_bytes_per_token"]
     return {"model": f"{BENCH['shape']}-shape {BENCH['dtype']}", "regenerate_seconds": round(regenerated, 1),
             "prefill_tokens_per_s": round(float(np.median(prefill)), 1), "decode_tokens_per_s": round(decode_rate, 1),
             "ms_per_step": round(1000 / decode_rate, 3), "bytes_per_step": step_bytes,
             "achieved_bandwidth_gb_s": round(step_bytes * decode_rate / 1e9, 1),
             "roofline_tokens_per_s": round(H200_BANDWIDTH / step_bytes, 1),
-            "kernels_per_decode_step": spec["kernels_per_decode_step"]}
+            "kernels_per_decode_step": spec["kernels_per_decode_step"],
+            "host_launches_per_decode_step": host_launches(text, DECODE_FUNCTION)}
+
+
+def host_launches(module_text: str, function: str) -> dict:
+    """What one call of VM function `function` launches from the host, from its executable's text (`as_text`): CUDA
+    graph replays, and kernel functions called outside any graph (each launches its device kernels)."""
+    block = re.search(rf"^@{function}:\n(.*?)(?=^@|\Z)", module_text, re.M | re.S)
+    calls = re.findall(r"^\s*call\s+(\S+)", block.group(1), re.M) if block else []
+    return {"graphs": calls.count("vm.builtin.cuda_graph.run_or_capture"),
+            "kernels_outside_graphs": sum(not c.startswith("vm.builtin.") for c in calls)}
 
 
 def run(payload: Path, out: Path) -> int:
@@ -402,8 +417,6 @@ def _bench_artifact(payload: Path, cache: Path) -> None:
     from benchmarks.checkpoints import real_shape_checkpoint, weight_bytes_per_token
     from compiler.build import build
     from compiler.cuda import kernel_launches
-    from ir.contract import Buckets
-
     model_dir = real_shape_checkpoint(cache, BENCH["shape"], BENCH["dtype"])
     folder = payload / "bench"
     folder.mkdir(exist_ok=True)
@@ -414,7 +427,7 @@ def _bench_artifact(payload: Path, cache: Path) -> None:
         "shape": BENCH["shape"], "dtype": BENCH["dtype"], "seed": BENCH["seed"],
         "sha256": file_digest(model_dir / "model.safetensors"),
         "weight_bytes_per_token": weight_bytes_per_token(model_dir),
-        "kernels_per_decode_step": kernel_launches(artifact)[Buckets.function_name("step", {"tokens": 1, "rows": 1})]},
+        "kernels_per_decode_step": kernel_launches(artifact)[DECODE_FUNCTION]},
         indent=1) + "\n")
 
 

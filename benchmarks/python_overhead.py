@@ -41,7 +41,9 @@ def main() -> None:
                                       max_context=4 * args.steps, quiet=True).path
     model = CompiledModel(args.model_dir, artifact)
     name = "step_t1_r1"  # a decode step of one sequence
-    model._functions[name] = timed = Timed(model._functions[name])
+    model.new_cache().release()  # makes the arena of single sequences, whose step functions generate() calls
+    functions = model._arena.cache.functions._functions
+    functions[name] = timed = Timed(functions[name])
     result = generate(model, [1, 2, 3], GreedyGenerationConfig(args.steps, eos_token_ids=[]))
     steps = len(result.generated_token_ids) - 1
     inside, total = timed.seconds / steps, result.decode_seconds / steps

@@ -41,7 +41,7 @@ from ir.errors import RudaError, storage_error
 from schedules import cpu, gpu
 
 from .cuda import CudaBuildError, CudaTarget, check_with_ptxas, cuda_target, export_with_ptx, prepare_environment
-from .lower import kernel_signatures, lower_program
+from .lower import call_order, kernel_signatures, lower_program
 from .options import (
     DEFAULT_BATCH_ROWS,
     DEFAULT_IMAGE_PATCH_BUCKETS,
@@ -157,7 +157,8 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
             return BuildResult(out, True, time.perf_counter() - start)
         progress = (lambda it: it) if quiet else (lambda it: tqdm(it, desc="scheduling kernels", unit="kernel"))
         scan_lanes = tgt.lanes if isinstance(tgt, CpuTarget) else 1
-        module = lower_program(program, buckets, signatures, _scheduler(tgt), progress, scan_lanes)
+        module = lower_program(program, buckets, signatures, _scheduler(tgt), progress, scan_lanes,
+                               cuda_graphs=isinstance(tgt, CudaTarget))
         if not quiet:
             print(f"compiling {len(manifest.kernels)} kernels and {len(manifest.functions)} step functions "
                   f"for {_describe(tgt)}...", file=sys.stderr, flush=True)
@@ -216,10 +217,10 @@ def _entries(program, optional: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _entry_inputs(program, buckets: Buckets) -> dict[str, tuple[InputSpec, ...]]:
-    """The runtime inputs of each entry built, by role, with the arena dims bound (the bucket dims stay
-    symbolic: they differ per function)."""
+    """The runtime inputs of each entry built, by role, in call order, with the arena dims bound (the bucket dims
+    stay symbolic: they differ per function)."""
     return {name: tuple(InputSpec(v, graph.roles[v].kind, graph.roles[v].layer, graph.types[v].bind(
-        buckets.arena_dims()).shape, graph.types[v].dtype) for v in graph.inputs)
+        buckets.arena_dims()).shape, graph.types[v].dtype) for v in call_order(graph))
         for name, graph in program.entries.items() if name in buckets.entries}
 
 
@@ -243,7 +244,9 @@ def _compile(module: tvm.IRModule, tgt: CpuTarget | CudaTarget):
         return tvm.compile(module, tgt.tvm_target(), relax_pipeline="default_build")
     prepare_environment()
     try:
-        return tvm.compile(module, tgt.tvm_target(), relax_pipeline="default_build", tir_pipeline=tgt.tir_pipeline())
+        with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True}):  # see lower_program
+            return tvm.compile(module, tgt.tvm_target(), relax_pipeline="default_build",
+                               tir_pipeline=tgt.tir_pipeline())
     except Exception as e:  # TVM raises bare errors from codegen; find and name the kernel behind it
         for name, func in module.functions.items():
             if isinstance(func, tvm.tirx.PrimFunc):

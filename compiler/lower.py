@@ -52,11 +52,21 @@ def kernel_signatures(program: Program, buckets: Buckets) -> list[KernelSignatur
     return list(seen)
 
 
+def call_order(graph: Graph) -> list[str]:
+    """An entry's inputs in the order its compiled functions take them: int32 scalars first, then the tensors as
+    declared. With CUDA graphs, a function's leading `num_input` parameters are read anew at every call, and every
+    later one (tensors: the same buffers at every call) is captured once."""
+    scalars = [v for v in graph.inputs if graph.types[v].shape == ()]
+    return scalars + [v for v in graph.inputs if v not in scalars]
+
+
 def lower_program(program: Program, buckets: Buckets, signatures: list[KernelSignature],
                   schedule: Callable[[Kernel, str, dict], Kernel], progress: Callable[[Iterable], Iterable] = iter,
-                  scan_lanes: int = 1) -> tvm.IRModule:
+                  scan_lanes: int = 1, cuda_graphs: bool = False) -> tvm.IRModule:
     """The Relax module for all buckets, given their `kernel_signatures`; `schedule` turns each kernel (with its op's
-    kind and attributes) into its target's form (`scan_lanes`: see compiler.kernels.make_kernel)."""
+    kind and attributes) into its target's form (`scan_lanes`: see compiler.kernels.make_kernel). `cuda_graphs`: mark
+    every tensor input static, so that TVM's RewriteCUDAGraph captures each function's kernels (all but those that
+    read a scalar input or write the output) into one CUDA graph, replayed at later calls."""
     bb = relax.BlockBuilder()
     kernels = {}
     for sig in progress(signatures):
@@ -65,7 +75,7 @@ def lower_program(program: Program, buckets: Buckets, signatures: list[KernelSig
         kernels[sig] = (bb.add_func(kernel.func.with_attr("global_symbol", sig.name), sig.name), kernel.constants)
     param_types = [part for p in program.params.values() for part in p.type.parts()]  # a packed param: its parts
     for fn_name, entry, dims in buckets.functions(program):
-        _lower_entry(bb, fn_name, program, program.entries[entry], dims, kernels, param_types)
+        _lower_entry(bb, fn_name, program, program.entries[entry], dims, kernels, param_types, cuda_graphs)
     return bb.get()
 
 
@@ -73,12 +83,15 @@ def _relax_type(t: TensorType):
     return PrimType(t.dtype) if t.shape == () else relax.TensorType(list(t.shape), t.dtype)
 
 
-def _lower_entry(bb, fn_name, program, graph, dims, kernels, param_types) -> None:
-    inputs = [relax.Var(name, _relax_type(graph.types[name].bind(dims))) for name in graph.inputs]
+def _lower_entry(bb, fn_name, program, graph, dims, kernels, param_types, cuda_graphs) -> None:
+    order = call_order(graph)
+    inputs = [relax.Var(name, _relax_type(graph.types[name].bind(dims))) for name in order]
     weights = relax.Var("params", relax.TupleType([_relax_type(t) for t in param_types]))
-    with bb.function(fn_name, inputs + [weights]):
+    scalars = sum(graph.types[name].shape == () for name in order)
+    attrs = {"num_input": scalars} if cuda_graphs else None
+    with bb.function(fn_name, inputs + [weights], attrs):
         with bb.dataflow():
-            env = {name: [var] for name, var in zip(graph.inputs, inputs)}  # value -> the tensors it is passed as
+            env = {name: [var] for name, var in zip(order, inputs)}  # value -> the tensors it is passed as
             index = 0
             for name, param in program.params.items():
                 parts = len(param.type.parts())

@@ -30,11 +30,17 @@ TARGETS = {"cpu": "llvm", "cuda": "cuda"}  # --device -> the artifact's target
 
 @dataclass
 class OpenedArtifact:
-    """A checked artifact: where it is, its manifest, and its VM functions by name."""
+    """A checked artifact: where it is, its manifest, and its loaded module."""
 
     path: Path
     manifest: Manifest
-    functions: dict[str, Callable]
+    executable: tvm.runtime.Module
+
+    def functions(self, device) -> dict[str, Callable]:
+        """The VM functions by name, of a virtual machine of their own (its CUDA graphs, captured at each function's
+        first call, are its own too)."""
+        vm = VirtualMachine(self.executable, device)
+        return {name: vm[name] for name in self.manifest.functions}
 
 
 def open_artifact(model_dir: Path, artifact, target: str, device, checkpoint: tuple) -> OpenedArtifact:
@@ -49,8 +55,9 @@ def open_artifact(model_dir: Path, artifact, target: str, device, checkpoint: tu
     _check_manifest(manifest, model_dir, path, target, device, checkpoint, rebuild)
     verify_files(path, manifest, rebuild)
     try:
-        vm = VirtualMachine(tvm.runtime.load_module(str(path / MODULE)), device)
-        return OpenedArtifact(path, manifest, {name: vm[name] for name in manifest.functions})
+        opened = OpenedArtifact(path, manifest, tvm.runtime.load_module(str(path / MODULE)))
+        opened.functions(device)  # a module whose functions the VM cannot set up fails here, not at the first step
+        return opened
     except Exception as e:  # TVM raises bare errors for a module it cannot load
         raise ArtifactError(f"{path / MODULE} cannot be loaded ({last_line(e)}); rebuild: {rebuild}") from None
 

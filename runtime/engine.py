@@ -38,14 +38,41 @@ class GenerationError(RudaError):
     exit_code = 7
 
 
+class StepFunctions:
+    """An artifact's VM functions, each called with the same input buffers every time (a step's arrays are copied
+    into them). A CUDA artifact captures each function's kernels into a CUDA graph at its first call and replays it
+    at later ones, reading those buffers and the caller's state tensors: so each owner of state tensors (a batch
+    cache; the model, for the stateless image encoder) has functions of its own."""
+
+    def __init__(self, functions: dict, device):
+        self._functions, self._device = functions, device
+        self._buffers: dict[str, list[tvm.runtime.Tensor]] = {}
+
+    def __call__(self, name: str, args: list, params) -> tvm.runtime.Tensor:
+        """Call function `name` with `args` (arrays are copied into its input buffers) and the weights `params`."""
+        arrays = [a for a in args if isinstance(a, np.ndarray)]
+        if name not in self._buffers:
+            self._buffers[name] = [tvm.runtime.empty(a.shape, str(a.dtype), self._device) for a in arrays]
+        for buffer, array in zip(self._buffers[name], arrays):
+            buffer.copyfrom(array)
+        buffers = iter(self._buffers[name])
+        return self._functions[name](*[next(buffers) if isinstance(a, np.ndarray) else a for a in args], params)
+
+    def input_buffers(self, name: str) -> list[tvm.runtime.Tensor]:
+        """The buffers function `name`'s arrays are copied into (none before its first call)."""
+        return list(self._buffers.get(name, ()))
+
+
 @dataclass
 class BatchCache:
-    """Batched-execution state: KV pages of attention layers, recurrent-state slots of linear-attention layers."""
+    """Batched-execution state: KV pages of attention layers, recurrent-state slots of linear-attention layers, and
+    the step functions that run on them."""
 
     specs: list[InputSpec]
     tensors: list[tvm.runtime.Tensor]
     attention: str
     """'fused' (paged attention reads the page tables) or 'legacy' (each row's history gathered first)."""
+    functions: StepFunctions
     valid: bool = True
 
     def check(self) -> None:
@@ -139,7 +166,8 @@ class CompiledModel:
         self.model_dir = Path(model_dir)
         raw, self.config, entries, dtypes = models.load_checkpoint(model_dir)
         opened = open_artifact(self.model_dir, artifact, self.target, self.device, (raw, self.config, dtypes))
-        self.artifact, self.manifest, self._functions = opened.path, opened.manifest, opened.functions
+        self.artifact, self.manifest, self._opened = opened.path, opened.manifest, opened
+        self._encoder = StepFunctions(opened.functions(self.device), self.device) if self.vision is not None else None
         self._params = tvm_ffi.Array(load_params(entries, self.manifest.params, self.device))
         self.buckets = self.manifest.buckets
         self._arena: _SequenceArena | None = None  # made at the first new_cache()
@@ -180,13 +208,13 @@ class CompiledModel:
         """The state inputs of an entry (caches, pages, recurrent states), in call order."""
         return [spec for spec in self.manifest.inputs[entry] if spec.is_state]
 
-    def _call(self, function: str, entry: str, values: dict, states: list) -> tvm.runtime.Tensor:
-        """Run a VM function of `entry` with its non-state inputs taken by role from `values` (arrays become device
-        tensors) and its state tensors in order."""
+    def _call(self, functions: StepFunctions, function: str, entry: str, values: dict,
+              states: list) -> tvm.runtime.Tensor:
+        """Run a VM function of `entry` with its non-state inputs taken by role from `values` and its state tensors in
+        order."""
         state = iter(states)
         args = [next(state) if spec.is_state else values[spec.role] for spec in self.manifest.inputs[entry]]
-        args = [tvm.runtime.tensor(a, self.device) if isinstance(a, np.ndarray) else a for a in args]
-        return self._functions[function](*args, self._params)
+        return functions(function, args, self._params)
 
     def forward(self, token_ids: list[int], cache: KVCache, images: ImagePrompt | None = None) -> np.ndarray:
         """Append tokens to the sequence in `cache`; the logits after the last one (float32, vocab). The tokens run
@@ -247,7 +275,8 @@ class CompiledModel:
                                   f"rebuild with --legacy-paged-attention: "
                                   f"{build_command(self.model_dir, self.target, self.artifact, options)}")
         specs = self._states("step")
-        return BatchCache(specs, [tvm.runtime.empty(tuple(s.shape), s.dtype, self.device) for s in specs], choice)
+        return BatchCache(specs, [tvm.runtime.empty(tuple(s.shape), s.dtype, self.device) for s in specs], choice,
+                          StepFunctions(self._opened.functions(self.device), self.device))
 
     @property
     def has_recurrent_state(self) -> bool:
@@ -304,7 +333,8 @@ class CompiledModel:
             values |= self._multimodal_values(rows, pos_of)
         entry = ATTENTION_ENTRIES[cache.attention]
         try:
-            out = self._call(b.function_name(entry, {TOKENS: tokens, ROWS: row_bucket}), entry, values, cache.tensors)
+            out = self._call(cache.functions, b.function_name(entry, {TOKENS: tokens, ROWS: row_bucket}), entry,
+                             values, cache.tensors)
         except Exception as e:
             cache.valid = False
             raise GenerationError(f"the step failed ({last_line(e)}); its KV pages and states may be half-written, "
@@ -357,8 +387,8 @@ class CompiledModel:
             first, end = int(starts[call[0]]), int(starts[call[-1] + 1])
             bucket = next(b for b in buckets if b >= end - first)
             values = encoder_inputs(pixels[first:end], [grids[i] for i in call], self.vision, bucket)
-            merged = self._call(self.buckets.function_name("encode_image", {PATCHES: bucket}), "encode_image", values,
-                                []).numpy()
+            merged = self._call(self._encoder, self.buckets.function_name("encode_image", {PATCHES: bucket}),
+                                "encode_image", values, []).numpy()
             tokens = np.cumsum([0] + [counts[i] // self.vision.merge_unit for i in call])
             out += [merged[tokens[k]:tokens[k + 1]] for k in range(len(call))]
         return out

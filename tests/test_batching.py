@@ -18,6 +18,7 @@ from runtime import (
     SamplingGenerationConfig,
     generate,
 )
+from runtime.engine import StepFunctions
 
 BATCH_BUILD = dict(prefill_buckets=(8, 32), max_context=64, batch_rows=(1, 4, 8), kv_pages=40, kv_block=8,
                    legacy_attention=True)
@@ -163,34 +164,49 @@ def test_copy_page_copies_one_page_of_every_kv_arena_on_the_device(model):
         np.testing.assert_array_equal(tensor.numpy(), want)
 
 
+def test_steps_reuse_their_input_buffers_and_each_cache_has_its_own(model):
+    """A function's inputs are copied into the same device buffers at every call (what a CUDA graph captured at the
+    first call replays), and every batch cache has functions (a virtual machine) of its own."""
+    cache = model.new_cache()
+    model.forward([5, 6, 7], cache)
+    decode = model.buckets.function_name("step", {"tokens": 1, "rows": 1})
+    functions = cache.arena.cache.functions
+    logits = model.forward([8], cache)
+    first = functions.input_buffers(decode)
+    assert first and len(first) == len([s for s in model.manifest.inputs["step"] if not s.is_state and s.shape])
+    np.testing.assert_array_equal(functions.input_buffers(decode)[0].numpy(), [8])
+    again = model.forward([9], cache)
+    assert all(a is b for a, b in zip(functions.input_buffers(decode), first, strict=True))
+    np.testing.assert_array_equal(functions.input_buffers(decode)[0].numpy(), [9])
+    assert not np.array_equal(logits, again)
+    other = model.new_batch_cache()
+    assert other.functions is not functions and not other.functions.input_buffers(decode)
+    cache.release()
+
+
 def test_a_failed_step_is_recovered_and_the_others_keep_their_tokens(model, monkeypatch):
     """The first run of a step function fails: the executor rebuilds its cache, the requests recompute, and
     every request still gets its solo tokens; one whose steps always fail finishes with "error"."""
     prompts = _prompts(6, model.config.vocab_size, seed=9)
     configs = [GreedyGenerationConfig(6, eos_token_ids=[]) for _ in prompts]
     executor = BatchExecutor(model, ContinuousBatchConfig(4, 32))
-    real = dict(model._functions)
-    failed = []
+    call, failed = StepFunctions.__call__, []
 
-    def flaky(name):
-        def run(*args):
-            if not failed:
-                failed.append(name)
-                raise RuntimeError("device append failed")
-            return real[name](*args)
-        return run
+    def flaky(self, name, *args):
+        if not failed:
+            failed.append(name)
+            raise RuntimeError("device append failed")
+        return call(self, name, *args)
 
-    for name in real:
-        monkeypatch.setitem(model._functions, name, flaky(name))
+    monkeypatch.setattr(StepFunctions, "__call__", flaky)
     for prompt, config, finished in zip(prompts, configs, _run_all(executor, prompts, configs)):
         assert finished.generated_token_ids == generate(model, prompt, config).generated_token_ids
     assert failed and executor.scheduler.stats.cache_resets == 1 and "device append failed" in str(executor.last_error)
 
-    def broken(*args):
+    def broken(self, *args):
         raise RuntimeError("always fails")
 
-    for name in real:
-        monkeypatch.setitem(model._functions, name, broken)
+    monkeypatch.setattr(StepFunctions, "__call__", broken)
     executor = BatchExecutor(model, ContinuousBatchConfig(4, 32))
     executor.submit([1, 2, 3], GreedyGenerationConfig(4))
     (finished,) = list(executor.run())

@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 from conftest import TEST_BUCKETS, TEST_IMAGE_PATCHES
@@ -17,6 +18,8 @@ from compiler.cuda import CudaBuildError, cuda_target
 from models.tiny import write_tiny_checkpoint
 from runtime import GenerationError
 from runtime.engine import CompiledModel
+
+ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("ptxas") is None,
                                 reason="no CUDA toolkit installed")
@@ -352,3 +355,43 @@ def test_direct_path_refuses_a_barrier_other_than_the_block_one():
 
     with pytest.raises(Exception, match="needs a 'global' barrier, which the NVPTX backend cannot emit"):
         direct_ptx(grid_sync)
+
+
+GRAPH_SCRIPT = """
+import json, sys, tvm
+from runtime.cuda import load_cuda_libraries
+from benchmarks.gpu_check import host_launches
+load_cuda_libraries()
+text = tvm.runtime.load_module(sys.argv[1])["as_text"]()
+print(json.dumps({name: host_launches(text, name) for name in sys.argv[2:]}))
+"""
+
+
+@pytest.mark.parametrize("arch_name", ["qwen2", "qwen3_5"])
+def test_a_cuda_step_is_one_graph_launch(checkpoints, tmp_path, arch_name):
+    """Every step function of a CUDA artifact replays one CUDA graph of its kernels; only the output's product runs
+    outside it (and, for Qwen3.5, the kernel of each linear-attention layer that reads the step's real-token count,
+    which a graph cannot capture). Loaded here through the stand-in driver: the module's VM code, not a GPU run."""
+    import sys
+
+    from cuda_standin import tvm_cuda_loader, write_standin
+
+    artifact = _build(checkpoints[arch_name], tmp_path / "a").path
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    steps = [f for f in manifest["functions"] if f.startswith("step_")]
+    standin = write_standin(tmp_path / "driver", tvm_cuda_loader()).parent
+    env = {"LD_LIBRARY_PATH": str(standin), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", GRAPH_SCRIPT, str(artifact / "model.so"), *steps], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    launches = json.loads(done.stdout)
+    layers = json.loads((checkpoints[arch_name] / "config.json").read_text())
+    layers = layers.get("text_config", layers)
+    linear = sum(t == "linear_attention" for t in layers.get("layer_types", []))
+    for name in steps:
+        if linear:  # regions end at each delta_inputs kernel: one graph before each, and one after the last
+            assert launches[name] == {"graphs": linear + 1, "kernels_outside_graphs": linear + 1}, name
+        else:
+            assert launches[name] == {"graphs": 1, "kernels_outside_graphs": 1}, name
+    counts = cuda.kernel_launches(artifact)
+    assert all(counts[name] > 10 * sum(launches[name].values()) for name in steps)  # what the graphs save

@@ -20,6 +20,7 @@ from runtime import (
     SamplingGenerationConfig,
     generate,
 )
+from runtime.engine import StepFunctions
 
 
 @pytest.fixture(scope="module")
@@ -84,11 +85,10 @@ def test_a_failed_step_makes_the_cache_unusable(model, monkeypatch):
     row = ([1, 2, 3], 0, [0], 0)
     before = model.step([row], cache)
 
-    def broken(*args):
+    def broken(self, *args):
         raise RuntimeError("device append failed")
 
-    for name in list(model._functions):
-        monkeypatch.setitem(model._functions, name, broken)
+    monkeypatch.setattr(StepFunctions, "__call__", broken)
     with pytest.raises(GenerationError, match=r"create a new one \(new_cache\(\) for one sequence, new_batch_cache"):
         model.step([row], cache)
     monkeypatch.undo()
@@ -100,8 +100,7 @@ def test_a_failed_step_makes_the_cache_unusable(model, monkeypatch):
 def test_a_failed_step_of_one_sequence_leaves_a_fresh_arena_for_new_ones(model, monkeypatch):
     alone = model.forward([1, 2, 3], model.new_cache())
     cache = model.new_cache()
-    for name in list(model._functions):
-        monkeypatch.setitem(model._functions, name, lambda *args: (_ for _ in ()).throw(RuntimeError("lost")))
+    monkeypatch.setattr(StepFunctions, "__call__", lambda self, *args: (_ for _ in ()).throw(RuntimeError("lost")))
     with pytest.raises(GenerationError, match=r"the step failed \(lost\).*new_cache\(\) for one sequence"):
         model.forward([1, 2, 3], cache)
     monkeypatch.undo()
