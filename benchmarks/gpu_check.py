@@ -5,6 +5,7 @@ TVM, no compiler and no network.
                                                    [--no-bench]                         (scripts/gpu_bundle.sh)
     python3 PAYLOAD/bundle/python/gpu_check.py run PAYLOAD OUT                          (scripts/gpu_run.sh)
     python -m benchmarks.gpu_check check-rehearsal OUT/results.jsonl PAYLOAD            (after a rehearsal)
+    python -m benchmarks.gpu_check launches ARTIFACT [FUNCTION]     (kernels and host launches of a step function)
 
 `prepare` writes PAYLOAD: a deploy bundle (the qwen2 tiny model through the ptx path) whose Python environment
 every case uses; sm_90 CUDA artifacts of tiny Llama, Qwen2 and Qwen3.5 checkpoints through each CUDA path, with
@@ -431,6 +432,21 @@ def _bench_artifact(payload: Path, cache: Path) -> None:
         indent=1) + "\n")
 
 
+def launches(artifact: Path, function: str) -> int:
+    """Print the GPU kernels one call of `function` of a CUDA artifact runs, and what the host launches for it (the
+    module is loaded, so this needs a driver: a real one, or tests/cuda_standin.py's on LD_LIBRARY_PATH)."""
+    import tvm
+
+    from compiler.cuda import kernel_launches
+    from runtime.cuda import load_cuda_libraries
+
+    load_cuda_libraries()
+    text = tvm.runtime.load_module(str(artifact / "model.so"))["as_text"]()
+    print(json.dumps({"function": function, "gpu_kernels": kernel_launches(artifact)[function],
+                      "host_launches": host_launches(text, function)}))
+    return 0
+
+
 def check_rehearsal(results: Path, payload: Path) -> int:
     """After a rehearsal with the stand-in driver: every case ran; the CPU cases passed; every GPU case got as far as
     its first GPU call (its error is CUDA's) and was rerun; the benchmark's checkpoint matched its hash."""
@@ -456,10 +472,12 @@ def check_rehearsal(results: Path, payload: Path) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """Dispatch `prepare`, `run`, `case` or `check-rehearsal`."""
+    """Dispatch `prepare`, `run`, `case`, `check-rehearsal` or `launches`."""
     command, *args = argv
     if command == "check-rehearsal":
         return check_rehearsal(Path(args[0]), Path(args[1]))
+    if command == "launches":
+        return launches(Path(args[0]), args[1] if len(args) > 1 else DECODE_FUNCTION)
     if command == "case":
         print(json.dumps(run_case(Path(args[0]), args[1])))
         return 0
