@@ -47,26 +47,26 @@ def _thread_per_output(sch: s_tir.Schedule, block) -> None:
     _bind_spatial(sch, split_loops(sch, block)[0])
 
 
-def _split_reduction(sch: s_tir.Schedule, block, vector: int = 1) -> bool:
+def _split_reduction(sch: s_tir.Schedule, block, vector: int = 1) -> int:
     """Spread each output's reduction over up to a warp of threads of one thread block (several outputs per block).
 
     Thread t of an output sums terms t*v .. t*v+v-1 of every stride of lanes*v terms (neighbouring
     threads read neighbouring memory; with v > 1 each input's v terms come in one vector load), keeps
     its partial sum in a register and stores it to shared memory; after a block barrier one thread per
-    output adds the partials. Returns False (leaving the block untouched) unless the block has one
-    reduction loop worth splitting and few enough outputs.
+    output adds the partials. Returns the threads of a thread block, or 0 (leaving the block untouched) unless the
+    block has one reduction loop worth splitting and few enough outputs.
     """
     spatial, reduction = split_loops(sch, block)
     outputs = 1
     for loop in spatial:
         outputs *= static_extent(sch, loop) or SPLIT_MAX_OUTPUTS + 1
     if len(reduction) != 1 or outputs > SPLIT_MAX_OUTPUTS:
-        return False
+        return 0
     depth = static_extent(sch, reduction[0])
     if depth is None:  # a length known at run time (the valid context): a warp of lanes, the last step masked
         lanes, vector = WARP, 1
     elif depth < SPLIT_MIN_DEPTH:
-        return False
+        return 0
     else:
         lanes, vector = max(((n, v) for n in (WARP, 16, 8, 4, 2, 1) for v in (vector, vector // 2, vector // 4, 1)
                              if v >= 1 and depth % (n * v) == 0), key=lambda nv: (nv[0] * nv[1], nv[0]))
@@ -94,7 +94,7 @@ def _split_reduction(sch: s_tir.Schedule, block, vector: int = 1) -> bool:
     final = sch.fuse(*final_outputs) if len(final_outputs) > 1 else final_outputs[0]
     sch.reorder(final, final_lane)
     sch.bind(sch.split(final, [None, per_block * lanes])[1], "threadIdx.x")
-    return True
+    return per_block * lanes
 
 
 def _generic(sch: s_tir.Schedule) -> None:
@@ -115,10 +115,26 @@ def _linear(sch: s_tir.Schedule) -> None:
         _gemm(sch, block, dequant)
     elif dequant is not None:
         _packed_gemv(sch, block, dequant)
-    elif not _split_reduction(sch, block, LOAD_BYTES // sch.get(block).reads[1].source.dtype.itemsize):
+    elif threads := _split_reduction(sch, block, LOAD_BYTES // sch.get(block).reads[1].source.dtype.itemsize):
+        _epilogue_in_block(sch, block, consumers, threads)
+        return
+    else:
         _thread_per_output(sch, block)
     for consumer in consumers:
         _bind_spatial(sch, sch.get_loops(consumer))
+
+
+def _epilogue_in_block(sch: s_tir.Schedule, block, consumers: list, threads: int) -> None:
+    """The bias add of a split-reduction GEMV in the same kernel: the thread that sums an output's partials adds its
+    bias (the same output-to-thread mapping, so it reads back only what it wrote)."""
+    outer = sch.get_loops(block)[0]  # the thread block of outputs
+    for consumer in consumers:
+        sch.reverse_compute_at(consumer, outer)
+        loops = sch.get_loops(consumer)[1:]
+        fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+        sch.bind(sch.split(fused, [None, threads])[1], "threadIdx.x")
+    if consumers:
+        sch.set_scope(block, 0, "local")  # the sums: each thread's own, in a register
 
 
 def _packed_gemv(sch: s_tir.Schedule, block, dequant) -> None:
@@ -201,7 +217,16 @@ def _gemm(sch: s_tir.Schedule, block, dequant=None) -> None:
     sch.decompose_reduction(block, k_step)
 
 
-SCHEDULES = {"linear": _linear}
+def _rope(sch: s_tir.Schedule) -> None:
+    """Rotary embedding as one kernel: each thread computes the cos and sin of its element's angle itself (the CPU
+    shares them across a row's heads; here a kernel per stage would cost more than the trigonometry)."""
+    *tables, rotate = stages.blocks(sch)
+    for table in tables:
+        sch.compute_inline(table)
+    _thread_per_output(sch, rotate)
+
+
+SCHEDULES = {"linear": _linear, "rope": _rope}
 
 
 def schedule(func: tirx.PrimFunc, kind: str, attrs: dict, target) -> tirx.PrimFunc:

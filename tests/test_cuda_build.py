@@ -276,17 +276,11 @@ def test_direct_path_reduces_across_threads_through_shared_memory(rows, uses, pa
         assert sum(map(int, shared)) >= gpu.DEPTH_STEP * gpu.TILE * (4 + (4 if packed else 2))
 
 
-@pytest.mark.parametrize("rows,group,bias", [(1, 32, True), (8, 256, False), (3, 64, False), (20, 32, True),
-                                             (64, 32, True), (64, 256, False)])
-def test_packed_linear_schedules_keep_the_kernel_semantics(rows, group, bias, monkeypatch):
-    """The GPU schedules of a packed linear only rearrange its work: replayed with thread bindings and memory scopes
-    dropped (thread loops run serially, one order of the threads; block barriers only separate loop nests), they
-    compute on the CPU what the unscheduled kernel computes, on random packed words."""
-    import numpy as np
-    import tvm
+def _serial_gpu_schedule(func, kind, attrs, monkeypatch):
+    """The GPU schedule of a kernel replayed with thread bindings and memory scopes dropped (thread loops run serially,
+    one order of the threads; block barriers only separate loop nests): it runs on the CPU."""
     from tvm import s_tir
 
-    from compiler.kernels import make_kernel
     from schedules import gpu
 
     class SerialSchedule(s_tir.Schedule):
@@ -302,21 +296,75 @@ def test_packed_linear_schedules_keep_the_kernel_semantics(rows, group, bias, mo
         def cache_write(self, block, write_buffer_index, storage_scope, consumer_blocks=None):
             return super().cache_write(block, write_buffer_index, "global", consumer_blocks)
 
-    func = make_kernel("linear", _packed_linear(rows, group, bias), {}).func
     with monkeypatch.context() as patch:
         patch.setattr(s_tir, "Schedule", SerialSchedule)
-        scheduled = gpu.schedule(func, "linear", {}, None)
+        return gpu.schedule(func, kind, attrs, None)
+
+
+def _run_on_cpu(kernel, args) -> list:
+    import numpy as np
+    import tvm
+
+    tensors = [tvm.runtime.tensor(a, tvm.cpu()) if isinstance(a, np.ndarray) else a for a in args]
+    tvm.compile(kernel, tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu"}))(*tensors)
+    return [t.numpy() for t in tensors]
+
+
+@pytest.mark.parametrize("rows,group,bias", [(1, 32, True), (8, 256, False), (3, 64, False), (20, 32, True),
+                                             (64, 32, True), (64, 256, False)])
+def test_packed_linear_schedules_keep_the_kernel_semantics(rows, group, bias, monkeypatch):
+    """The GPU schedules of a packed linear only rearrange its work: replayed serially on the CPU, they compute
+    what the unscheduled kernel computes, on random packed words."""
+    import numpy as np
+
+    from compiler.kernels import make_kernel
+
+    func = make_kernel("linear", _packed_linear(rows, group, bias), {}).func
+    scheduled = _serial_gpu_schedule(func, "linear", {}, monkeypatch)
     rng = np.random.default_rng(rows)
     shapes = [(tuple(int(d) for d in p.shape), str(p.dtype)) for p in func.params]
     args = [rng.integers(-2**31, 2**31, shape, dtype=np.int64).astype(np.int32) if dtype == "int32"
             else rng.standard_normal(shape).astype(dtype) for shape, dtype in shapes]
+    np.testing.assert_allclose(_run_on_cpu(scheduled, args)[-1], _run_on_cpu(func, args)[-1], rtol=1e-5, atol=1e-3)
 
-    def run(kernel):
-        tensors = [tvm.runtime.tensor(a, tvm.cpu()) for a in args]
-        tvm.compile(kernel, tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu"}))(*tensors)
-        return tensors[-1].numpy()
 
-    np.testing.assert_allclose(run(scheduled), run(func), rtol=1e-5, atol=1e-3)
+ONE_KERNEL_CASES = {  # ops whose every stage the GPU schedule keeps in one kernel
+    "rope-decode": ("rope", [_t((1, 896)), _t((1,), "int32")],
+                    {"head_dim": 64, "inv_freq": [10000 ** (-i / 32) for i in range(32)]}),
+    "rope-multimodal": ("rope", [_t((16, 512)), _t((16, 3), "int32")],
+                        {"head_dim": 128, "inv_freq": [10000 ** (-i / 32) for i in range(32)],
+                         "pos_axes": [i % 3 for i in range(32)]}),
+    "linear-bias-bf16": ("linear", [_t((1, 896)), _t((128, 896), "bfloat16"), _t((128,), "bfloat16")], {}),
+    "linear-bias-f32": ("linear", [_t((4, 256)), _t((96, 256)), _t((96,))], {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ONE_KERNEL_CASES))
+def test_fused_gpu_schedules_are_one_kernel_and_keep_the_semantics(case, monkeypatch, tmp_path):
+    """Rotary embedding (its cos and sin inlined) and a decode GEMV with its bias add (added by the thread that sums
+    the output) are one GPU kernel each, and replayed serially on the CPU they compute what the kernel does."""
+    import numpy as np
+    import tvm
+
+    from compiler.kernels import make_kernel
+    from schedules import gpu
+
+    kind, types, attrs = ONE_KERNEL_CASES[case]
+    kernel = make_kernel(kind, types, attrs)
+    target = cuda_target("sm_90", "ptx")
+    cuda.prepare_environment()
+    lib = tvm.compile(gpu.schedule(kernel.func, kind, attrs, target), target.tvm_target(),
+                      tir_pipeline=target.tir_pipeline())
+    (ptx,) = cuda.export_with_ptx(lib, tmp_path / "kernel.so", target)
+    assert ptx.count(".entry") == 1
+    rng = np.random.default_rng(0)
+    args = [rng.integers(0, 4000, t.shape).astype(np.int32) if t.dtype == "int32"
+            else rng.standard_normal(t.shape).astype(np.float32).astype(t.dtype) for t in types]
+    args += list(kernel.constants)
+    args += [np.zeros(tuple(int(d) for d in p.shape), str(p.dtype)) for p in kernel.func.params[len(args):]]
+    scheduled = _serial_gpu_schedule(kernel.func, kind, attrs, monkeypatch)
+    np.testing.assert_allclose(_run_on_cpu(scheduled, args)[-1], _run_on_cpu(kernel.func, args)[-1], rtol=1e-5,
+                               atol=1e-5)
 
 
 @pytest.mark.parametrize("compiler", ["ptx", "nvcc"])
