@@ -446,9 +446,13 @@ class ContinuousBatchScheduler:
         snapshot = self._snapshot()
         preempted: list[_Request] = []
         while self._running or self._waiting:  # a pass without rows has preempted someone, so this ends
+            before = len(preempted)
             draft = self._draft(preempted)
             if draft.rows:
                 return self._issue(draft, snapshot, preempted)
+            if len(preempted) == before:
+                raise SchedulerError("internal error: no request can be scheduled and none was preempted (a bug: "
+                                     "please report it)")
         return None
 
     def complete_batch(self, batch_id: int, generated_token_ids) -> None:
@@ -598,7 +602,9 @@ class ContinuousBatchScheduler:
 
     def _attach_cached_prefix(self, request: _Request) -> int:
         """Share the indexed pages matching the request's leading full pages (how many are returned); compute at
-        least its last token."""
+        least its last token. When that token lies in a shared page, it is recomputed into a copy of the page, which
+        needs a page no one holds; with none left, the last page is left out and its tokens recomputed instead (else
+        a request alone in a full pool would wait forever)."""
         block_size = self._kv_config.block_size
         for index in range(len(request.tokens) // block_size):
             page = self._pool.page_of.get(request.page_digest(index, block_size))
@@ -606,6 +612,8 @@ class ContinuousBatchScheduler:
                 break
             self._pool.share(page)
             request.pages.append(page)
+        if len(request.pages) * block_size >= len(request.tokens) and not self._pool.available:
+            self._pool.release(request.pages.pop())
         request.num_computed = min(len(request.pages) * block_size, len(request.tokens) - 1)
         return len(request.pages)
 

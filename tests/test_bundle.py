@@ -245,3 +245,20 @@ def test_bundle_of_a_damaged_artifact_is_refused(cpu_bundle, tmp_path):
 
     with pytest.raises(ArtifactError, match="is damaged"):
         bundle(damaged, tmp_path / "b", model_dir=model_dir, python=TARGET_PYTHON)
+
+
+def test_image_text_bundle_carries_pillow_and_reads_images(tiny_factory, tmp_path):
+    """An image-text model's bundle has the image library, and an image prompt gives the full install's tokens."""
+    from test_qwen35_vision import MODEL, write_images
+
+    model_dir, artifact = tiny_factory(**MODEL)
+    out = tmp_path / "vision"
+    make_bundle(artifact, out)
+    assert (out / "python" / "PIL").is_dir()
+    image = write_images(tmp_path)["wide.png"]
+    pipeline = load_pipeline(model_dir, artifact)
+    prompt = "<|vision_start|><|image_pad|><|vision_end|>what is it"
+    want = pipeline.generate_image_files_greedy(pipeline.encode(prompt), [image], config=GreedyGenerationConfig(6))
+    result = run_bundle(out, "generate", prompt, "6", "--image", str(image))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1])["generated_token_ids"] == want.generated_token_ids

@@ -473,6 +473,23 @@ def test_a_page_taken_from_the_prefix_cache_is_never_written_in_place():
     executor.check_solo()
 
 
+def test_a_fully_cached_prompt_alone_in_a_full_pool_recomputes_its_last_page():
+    """Its cached pages fill the pool, so there is no page to copy the last one into: that page is left out and its
+    token recomputed (it used to wait forever, found by the state machine)."""
+    scheduler, executor = make(max_active=2, max_tokens=4, block_size=1, num_pages=3, max_len=4)
+    executor.submit([9, 9, 5], greedy(max_new_tokens=1))
+    executor.drain()
+    assert scheduler.cached_pages == 3 and scheduler.free_pages == 3
+    again = executor.submit([9, 9, 5], greedy(max_new_tokens=1))
+    batch = scheduler.schedule()
+    row, = batch.sequences
+    assert row.request_id == again and row.start_position == 2 and row.token_ids == [5] and batch.copies == []
+    assert scheduler.stats.prefix_hit_pages == 2 and scheduler.stats.evicted_pages == 1
+    executor.complete(batch)
+    executor.drain()
+    executor.check_solo()
+
+
 def test_cached_pages_are_evicted_least_recently_released_first():
     scheduler, executor = make(block_size=2, num_pages=4, max_tokens=32, max_len=8)
     old = executor.submit([1, 1, 1], greedy(max_new_tokens=1))  # caches page [1, 1]
