@@ -29,7 +29,7 @@ from pathlib import Path
 import tvm
 
 import models
-from ir.contract import CUDA_RUNTIME_LIBRARY, Manifest, build_command, check_built_for, read_manifest, verify_files
+from ir.contract import CUDA_LIBRARY_FOLDERS, CUDA_RUNTIME_LIBRARY, Manifest, build_command, check_built_for, read_manifest, verify_files
 from ir.errors import RudaError
 
 from .cuda import cuda_toolkit_root
@@ -183,7 +183,7 @@ def _cached_wheel(folder: Path, distribution: str, version: str, tag: str) -> Pa
 def _cuda_runtime() -> Path:
     """The CUDA runtime library that TVM's CUDA loader links against, from the CUDA toolkit here."""
     root = cuda_toolkit_root()
-    for folder in ("lib64", "lib", "targets/x86_64-linux/lib"):
+    for folder in CUDA_LIBRARY_FOLDERS:
         if (root / folder / CUDA_RUNTIME_LIBRARY).is_file():
             return (root / folder / CUDA_RUNTIME_LIBRARY).resolve()
     raise BundleError(f"the CUDA toolkit at {root} has no {CUDA_RUNTIME_LIBRARY}, which a CUDA artifact's bundle "

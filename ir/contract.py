@@ -46,6 +46,7 @@ ARTIFACT_FILES = (MANIFEST, MODULE, PTX_FILE, IR_FILE, IR_TEXT)  # all a build w
 DEFAULT_ROOT = Path("build")
 ATTENTION_ENTRIES = {"fused": "step", "legacy": "step_gather"}  # paged attention path -> the step entry that runs it
 CUDA_RUNTIME_LIBRARY = "libcudart.so.13"  # what the pinned TVM's CUDA loader links against (CUDA 13)
+CUDA_LIBRARY_FOLDERS = ("lib64", "lib", "targets/x86_64-linux/lib")  # where a CUDA toolkit root keeps it
 MODEL_PACKAGES = ("ir", "models")  # the model definitions: a change here changes the graph an artifact implements
 
 

@@ -42,7 +42,3 @@ def main(argv: list) -> int:
     cli = import_module(COMMANDS[command])
     return run_cli(cli.main, [str(model), *rest, "--artifact", str(root / info["artifact"]),
                               "--device", info["device"]])
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

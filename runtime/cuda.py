@@ -13,7 +13,7 @@ import ctypes
 import os
 from pathlib import Path
 
-from ir.contract import CUDA_RUNTIME_LIBRARY
+from ir.contract import CUDA_LIBRARY_FOLDERS, CUDA_RUNTIME_LIBRARY
 from ir.errors import RudaError
 
 CUDART = CUDA_RUNTIME_LIBRARY
@@ -73,12 +73,13 @@ def cudart_search_path() -> list[Path]:
     folders.append(_tvm_library_dir())
     for root in (os.environ.get("CUDA_PATH"), *TOOLKIT_ROOTS):
         if root:
-            folders += [Path(root) / "lib64", Path(root) / "lib"]
+            folders += [Path(root) / folder for folder in CUDA_LIBRARY_FOLDERS]
     return folders
 
 
 def _find_cudart() -> str:
-    for folder in cudart_search_path():
+    folders = cudart_search_path()
+    for folder in folders:
         if (folder / CUDART).is_file():
             return str(folder / CUDART)
     try:
@@ -86,7 +87,7 @@ def _find_cudart() -> str:
         return CUDART
     except OSError:
         pass
-    searched = ", ".join(str(f) for f in cudart_search_path())
+    searched = ", ".join(str(f) for f in folders)
     raise CudaUnavailable(f"--device cuda: the CUDA runtime {CUDART} is not in {searched} nor on the library path; "
                           f"set {CUDART_DIR_ENV} to the folder that holds it (a CUDA {CUDA_VERSION} toolkit's lib64), "
                           "or run the artifact from its bundle (python -m compiler bundle), which carries it")

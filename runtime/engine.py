@@ -23,7 +23,7 @@ from ir.contract import ATTENTION_ENTRIES, InputSpec, build_command
 from ir.errors import RudaError
 from ir.graph import PAGED_KV_ROLES, PATCHES, RECURRENT_ROLES, ROWS, TOKENS
 
-from .artifact import TARGETS, last_line, open_artifact
+from .artifact import TARGETS, OpenedArtifact, last_line, open_artifact
 from .cpu import use_all_cores
 from .cuda import load_cuda
 from .vision import ImagePrompt, encoder_inputs, pack_images
@@ -44,8 +44,8 @@ class StepFunctions:
     at later ones, reading those buffers and the caller's state tensors: so each owner of state tensors (a batch
     cache; the model, for the stateless image encoder) has functions of its own."""
 
-    def __init__(self, functions: dict, device):
-        self._functions, self._device = functions, device
+    def __init__(self, opened: OpenedArtifact, device):
+        self._functions, self._device = opened.functions(device), device
         self._buffers: dict[str, list[tvm.runtime.Tensor]] = {}
 
     def __call__(self, name: str, args: list, params) -> tvm.runtime.Tensor:
@@ -167,7 +167,7 @@ class CompiledModel:
         raw, self.config, entries, dtypes = models.load_checkpoint(model_dir)
         opened = open_artifact(self.model_dir, artifact, self.target, self.device, (raw, self.config, dtypes))
         self.artifact, self.manifest, self._opened = opened.path, opened.manifest, opened
-        self._encoder = StepFunctions(opened.functions(self.device), self.device) if self.vision is not None else None
+        self._encoder = StepFunctions(opened, self.device) if self.vision is not None else None
         self._params = tvm_ffi.Array(load_params(entries, self.manifest.params, self.device))
         self.buckets = self.manifest.buckets
         self._arena: _SequenceArena | None = None  # made at the first new_cache()
@@ -276,7 +276,7 @@ class CompiledModel:
                                   f"{build_command(self.model_dir, self.target, self.artifact, options)}")
         specs = self._states("step")
         return BatchCache(specs, [tvm.runtime.empty(tuple(s.shape), s.dtype, self.device) for s in specs], choice,
-                          StepFunctions(self._opened.functions(self.device), self.device))
+                          StepFunctions(self._opened, self.device))
 
     @property
     def has_recurrent_state(self) -> bool:
