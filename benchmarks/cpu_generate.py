@@ -10,7 +10,7 @@ llvm, measures this machine's memory read bandwidth (numpy max, one share of 1 G
 one after another in this process with the same number of threads (every core it may use):
 
 - ours: the compiled artifact through CompiledModel; for bfloat16 also one built with --matmul-precision bfloat16
-  (prefill products on AMX tiles; a row with the reason where this CPU has none);
+  (prefill products on AMX tiles, else AVX512-BF16 dot products; a row with the reason where this CPU has neither);
 - transformers (torch CPU, the checkpoint's dtype);
 - llama.cpp through llama-cpp-python, on the checkpoint converted to GGUF by the converter from
   llama-cpp-python's sdist (F32 for float32; BF16 and F16 for bfloat16; F16 for float16).
@@ -85,18 +85,32 @@ def ours(model_dir: Path, args, prompt: list[int], threads: int, matmul_precisio
     from compiler.build import build
     from runtime import CompiledModel
 
-    amx = matmul_precision == "bfloat16"
-    artifact = build(model_dir, out=f"{args.work}/{model_dir.name}{'.amx' if amx else ''}.llvm",
+    from compiler.target import BF16_PATH_NAMES, cpu_target
+
+    path = cpu_target(None, matmul_precision).bf16_products
+    artifact = build(model_dir, out=f"{args.work}/{model_dir.name}{'.' + path if path else ''}.llvm",
                      prefill_buckets=(args.tokens,), max_context=2 * args.tokens,
                      matmul_precision=matmul_precision, quiet=True).path
-    label = "ours (llvm artifact, bf16 prefill products on AMX)" if amx else "ours (llvm artifact)"
+    label = f"ours (llvm artifact, bf16 prefill products on {BF16_PATH_NAMES[path]})" if path else "ours (llvm artifact)"
     yield label, *runtime_steps(CompiledModel(model_dir, artifact), prompt)
 
 
-def ours_amx(model_dir: Path, args, prompt: list[int], threads: int):
+def ours_bf16(model_dir: Path, args, prompt: list[int], threads: int):
     """Ours built with --matmul-precision bfloat16 (activations rounded to bf16 in prefill products, as llama.cpp's
     BF16 path does)."""
     return ours(model_dir, args, prompt, threads, matmul_precision="bfloat16")
+
+
+def cpu_description() -> str:
+    """This machine's CPU as the kernel names it, as LLVM names it, its SIMD width and its bfloat16 product path."""
+    from compiler.target import BF16_PATH_NAMES, cpu_target
+
+    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+             if line.startswith("model name")]
+    target = cpu_target(None, "auto")
+    path = BF16_PATH_NAMES.get(target.bf16_path, "none (float32 products only)")
+    return (f"{names[0] if names else 'unknown'} (LLVM mcpu {target.mcpu}, {target.lanes} float32 lanes, bfloat16 "
+            f"products: {path})")
 
 
 def runtime_steps(model, prompt: list[int]):
@@ -202,13 +216,13 @@ def benchmark(shape: str, dtype: str, args) -> dict:
     weight_bytes = weight_bytes_per_token(ours_dir)
     engines = [measure(ours, ours_dir, args, prompt, threads, "ours")]
     if dtype == "bfloat16":
-        engines.append(measure(ours_amx, model_dir, args, prompt, threads, "ours (bf16 prefill products on AMX)"))
+        engines.append(measure(ours_bf16, model_dir, args, prompt, threads, "ours (bf16 prefill products)"))
     engines.append(measure(transformers_peer, model_dir, args, prompt, threads, "transformers"))
     for outtype in GGUF_TYPES[dtype]:
         engines.append(measure(llama_cpp_peer, gguf_or_error(model_dir, outtype, args), args, prompt, threads,
                                f"llama.cpp (GGUF {outtype.upper()})"))
     what = f"AWQ INT4 g{AWQ_GROUP}" if dtype == "awq" else dtype
-    return {"model": f"{shape} {what} (random weights)", "threads": threads, "tokens": args.tokens, "runs": args.runs,
+    return {"model": f"{shape} {what} (random weights)", "cpu": cpu_description(), "threads": threads, "tokens": args.tokens, "runs": args.runs,
             "load_average_1m": round(load, 2), "read_bandwidth_gb_s": round(bandwidth / 1e9, 1),
             "weight_bytes_per_token": weight_bytes,
             "decode_roofline_tokens_per_s": round(bandwidth / weight_bytes, 2), "engines": engines}
@@ -220,21 +234,22 @@ def ratio(a: dict, b: dict, key: str) -> str:
 
 
 def table(results: list[dict]) -> str:
-    """A Markdown table of every engine's tok/s and our ratios to it (default build; prefill of the AMX build),
-    plus each decode roofline."""
-    lines = ["| model | engine | prefill tok/s | decode tok/s | us/engine prefill | us/engine decode "
-             "| us (AMX)/engine prefill |", "|---|---|---|---|---|---|---|"]
+    """A Markdown table of every engine's tok/s and our ratios to it (default build; prefill of the bf16-products
+    build), plus each decode roofline, under the CPU it ran on."""
+    lines = [f"CPU: {results[0]['cpu']}" if results else "", "",
+             "| model | engine | prefill tok/s | decode tok/s | us/engine prefill | us/engine decode "
+             "| us (bf16 products)/engine prefill |", "|---|---|---|---|---|---|---|"]
     for r in results:
         us, prefill, decode = r["engines"][0], "prefill_tokens_per_s", "decode_tokens_per_s"
-        amx = next((e for e in r["engines"][1:] if e["engine"].startswith("ours") and "error" not in e), {})
+        bf16 = next((e for e in r["engines"][1:] if e["engine"].startswith("ours") and "error" not in e), {})
         for e in r["engines"]:
             if "error" in e:
                 lines.append(f"| {r['model']} | {e['engine']} | failed: {e['error']} | | | | |")
                 continue
-            ours = e is us or e is amx
+            ours = e is us or e is bf16
             lines.append(f"| {r['model']} | {e['engine']} | {e[prefill]} | {e[decode]} | "
                          f"{'' if ours else ratio(us, e, prefill)} | {'' if ours else ratio(us, e, decode)} | "
-                         f"{'' if ours else ratio(amx, e, prefill)} |")
+                         f"{'' if ours else ratio(bf16, e, prefill)} |")
         roof = r["decode_roofline_tokens_per_s"]
         vs = f"{us[decode] / roof:.2f}" if decode in us else ""
         lines.append(f"| {r['model']} | decode roofline: {r['read_bandwidth_gb_s']} GB/s read / "

@@ -51,13 +51,14 @@ def main() -> None:
     parser.add_argument("--work", help="where the random checkpoint is kept")
     parser.add_argument("--model-dir", help="profile this model directory instead of a random --shape checkpoint")
     parser.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="float32",
-                        help="as `python -m compiler build` takes it (bfloat16: prefill products on AMX tiles)")
+                        help="as `python -m compiler build` takes it (bfloat16: prefill products on AMX tiles or "
+                             "AVX512-BF16 dot products)")
     args = parser.parse_args()
     if (args.work is None) == (args.model_dir is None):
         parser.error("give --work (with --shape) or --model-dir")
     use_all_cores()
-    target = cpu_target(matmul_precision=args.matmul_precision)
-    if target.amx:
+    target = cpu_target(matmul_precision=args.matmul_precision).for_weights(args.dtype)
+    if target.bf16_products == "amx":
         enable_amx()
     model_dir = args.model_dir or real_shape_checkpoint(args.work, args.shape, args.dtype)
     _, _, _, program = models.load_checkpoint_program(model_dir)

@@ -59,8 +59,9 @@ def main(argv: list[str]) -> int:
     b.add_argument("--mcpu", help="llvm: the CPU to compile for (default: this machine's CPU)")
     b.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS,
                    help="llvm: float32 (default) keeps every product in float32; bfloat16 runs prefill products of "
-                        "bfloat16 weights on AMX tiles with the activations rounded to bfloat16 (several times faster "
-                        "prefill, bfloat16-level numerics; needs AMX-BF16)")
+                        "bfloat16 weights with the activations rounded to bfloat16, on AMX tiles or else AVX512-BF16 "
+                        "dot products (several times faster prefill, bfloat16-level numerics; needs one of them); "
+                        "auto: bfloat16 for a bfloat16 checkpoint on a CPU that has one, float32 otherwise")
     b.add_argument("--arch", help=f"cuda: GPU architecture, one of {', '.join(ARCHS)} (default sm_90)")
     b.add_argument("--cuda-compiler", help=f"cuda: code path, one of {', '.join(COMPILERS)} (default: ${COMPILER_ENV}, "
                                            "else ptx = direct PTX through LLVM NVPTX)")

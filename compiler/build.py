@@ -50,7 +50,7 @@ from .options import (
     TARGETS,
 )
 from .output import OutputError, locked_output
-from .target import CpuTarget, cpu_target
+from .target import BF16_PATH_NAMES, CpuTarget, cpu_target
 
 COMPILER_PACKAGES = MODEL_PACKAGES + ("compiler", "schedules")  # a change to any of them rebuilds
 
@@ -126,6 +126,8 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
     tgt = make_target(target, mcpu=mcpu, arch=arch, cuda_compiler=cuda_compiler, ptx_version=ptx_version,
                       matmul_precision=matmul_precision)
     raw, config, tensors, program = models.load_checkpoint_program(model_dir)
+    if isinstance(tgt, CpuTarget):
+        tgt = tgt.for_weights(_matrix_dtype(program))
     buckets = replace(resolve_buckets(prefill_buckets, max_context, config.max_position_embeddings, batch_rows,
                                       kv_pages, kv_block),
                       entries=_entries(program, (ATTENTION_ENTRIES["legacy"],) if legacy_attention else ()),
@@ -182,6 +184,12 @@ def _image_patches(sizes: tuple[int, ...] | None, config) -> tuple[int, ...]:
     return sizes
 
 
+def _matrix_dtype(program) -> str:
+    """The dtype of the checkpoint's float matrices (bfloat16 if any is: what `--matmul-precision auto` asks)."""
+    dtypes = {p.type.dtype for p in program.params.values() if len(p.type.shape) == 2}
+    return "bfloat16" if "bfloat16" in dtypes else "float32"
+
+
 def _quantization(quant, program) -> QuantizationSpec | None:
     """The manifest's record of the checkpoint's quantisation."""
     if quant is None:
@@ -204,7 +212,7 @@ def _options(tgt: CpuTarget | CudaTarget, buckets: Buckets, mcpu: str | None) ->
         options += ["--ptx-version", tgt.ptx_version] if tgt.ptx_version else []
     else:
         options += ["--mcpu", mcpu] if mcpu else []
-        options += ["--matmul-precision", tgt.matmul_precision] if tgt.amx else []
+        options += ["--matmul-precision", "bfloat16"] if tgt.bf16_products else []
     return tuple(options)
 
 
@@ -226,7 +234,8 @@ def _entry_inputs(program, buckets: Buckets) -> dict[str, tuple[InputSpec, ...]]
 
 def _describe(tgt: CpuTarget | CudaTarget) -> str:
     if isinstance(tgt, CpuTarget):
-        return f"CPU {tgt.mcpu} with LLVM" + (", bfloat16 prefill products on AMX" if tgt.amx else "")
+        path = tgt.bf16_products
+        return f"CPU {tgt.mcpu} with LLVM" + (f", bfloat16 prefill products on {BF16_PATH_NAMES[path]}" if path else "")
     path = "direct PTX (LLVM NVPTX)" if tgt.compiler == "ptx" else f"CUDA C++ via {tgt.compiler}"
     return f"CUDA {tgt.arch} through {path}"
 

@@ -1,7 +1,7 @@
 """The values `compiler build` accepts and its defaults (no TVM here: the CLI answers --help and bad options fast)."""
 
 TARGETS = ("llvm", "cuda")
-MATMUL_PRECISIONS = ("float32", "bfloat16")
+MATMUL_PRECISIONS = ("float32", "bfloat16", "auto")
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 COMPILERS = ("ptx", "nvrtc", "nvcc")
 COMPILER_ENV, PTX_VERSION_ENV = "RUDA_CUDA_COMPILER", "RUDA_PTX_VERSION"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import tvm
 from tvm.target import codegen
@@ -22,24 +22,39 @@ class TargetError(RudaError):
     exit_code = 6
 
 
+BF16_PATHS = {"amx": AMX_FEATURES, "avx512bf16": ("avx512bf16", "avx512f")}  # in order of preference
+BF16_PATH_NAMES = {"amx": "AMX tiles", "avx512bf16": "AVX512-BF16 dot products"}
+
+
 @dataclass(frozen=True)
 class CpuTarget:
-    """An LLVM CPU target: its CPU name, the features it relies on, its float32 SIMD lanes, and whether prefill
-    products of bfloat16 weights round activations to bfloat16 to run on AMX tiles."""
+    """An LLVM CPU target: its CPU name, the features it relies on, its float32 SIMD lanes, the precision of prefill
+    products of bfloat16 weights (`auto` until `for_weights` resolves it), and the instructions the CPU offers for
+    bfloat16 products (`bf16_path`: amx, avx512bf16 or None)."""
 
     mcpu: str
     features: tuple[str, ...]
     matmul_precision: str = "float32"
+    bf16_path: str | None = None
 
     @property
-    def amx(self) -> bool:
-        """Prefill products of bfloat16 weights run on AMX tiles."""
-        return self.matmul_precision == "bfloat16"
+    def bf16_products(self) -> str | None:
+        """Where prefill products of bfloat16 weights run in bfloat16 (amx, avx512bf16), or None: float32."""
+        return self.bf16_path if self.matmul_precision == "bfloat16" else None
 
     @property
     def lanes(self) -> int:
         """float32 elements in one SIMD register."""
         return 16 if "avx512f" in self.features else 8 if "avx2" in self.features else 4
+
+    def for_weights(self, dtype: str) -> CpuTarget:
+        """The target with `auto` precision resolved for a checkpoint whose matrices are `dtype`: bfloat16 products
+        for bfloat16 weights where the CPU has a path for them, float32 ones otherwise."""
+        if self.matmul_precision != "auto":
+            return self
+        if dtype != "bfloat16" or self.bf16_path is None:
+            return replace(self, matmul_precision="float32")
+        return replace(self, matmul_precision="bfloat16", features=_with_path(self.features, self.bf16_path))
 
     def tvm_target(self) -> tvm.target.Target:
         """The TVM target object."""
@@ -48,27 +63,39 @@ class CpuTarget:
     def describe(self) -> TargetSpec:
         """The target as the manifest records it."""
         return TargetSpec("llvm", mtriple=TRIPLE, mcpu=self.mcpu, features=self.features,
-                          matmul_precision=self.matmul_precision)
+                          matmul_precision=self.matmul_precision, bf16_products=self.bf16_products)
+
+
+def _with_path(features: tuple[str, ...], path: str) -> tuple[str, ...]:
+    """`features` and those the bfloat16 products on `path` need (AMX's are left out of other builds: a float32
+    build runs on a host whose AMX is off)."""
+    return tuple(sorted(set(features) | set(BF16_PATHS[path])))
 
 
 def cpu_target(mcpu: str | None = None, matmul_precision: str = "float32") -> CpuTarget:
     """The target for `mcpu` (default: this machine's CPU, limited to the features it really has) and the
-    precision of prefill matrix products (bfloat16: on AMX tiles, so only for CPUs that have them)."""
+    precision of prefill matrix products (bfloat16: on AMX tiles, else AVX512-BF16 dot products, so only for CPUs
+    with one of them; auto: decided per checkpoint by `CpuTarget.for_weights`)."""
     if matmul_precision not in MATMUL_PRECISIONS:
         raise TargetError(f"--matmul-precision {matmul_precision!r} is not one of {', '.join(MATMUL_PRECISIONS)}")
     name = mcpu or codegen.llvm_get_system_cpu()
     if not codegen.llvm_is_valid_cpu(name, TRIPLE):
         raise TargetError(f"--mcpu {name!r} is not a CPU LLVM knows; try e.g. x86-64-v3, skylake-avx512, znver4")
     implied = set(codegen.llvm_get_cpu_features(tvm.target.Target({"kind": "llvm", "mtriple": TRIPLE, "mcpu": name})))
-    features = {f for f in CHECKED_FEATURES if f in implied and (matmul_precision == "bfloat16" or f not in AMX_FEATURES)}
-    if matmul_precision == "bfloat16" and not features.issuperset(AMX_FEATURES):
-        raise TargetError(f"--matmul-precision bfloat16 runs on AMX tiles, which CPU {name!r} does not have (AMX-BF16 "
-                          "came with Intel Sapphire Rapids); build with --matmul-precision float32")
-    if mcpu is None:
-        flags = host_cpu_flags()
-        missing = {f for f in features if CHECKED_FEATURES[f] not in flags}
-        if missing and flags:
+    offered = {f for f in CHECKED_FEATURES if f in implied}
+    flags = host_cpu_flags() if mcpu is None else set()
+    if flags:
+        missing = {f for f in offered - set(AMX_FEATURES) if CHECKED_FEATURES[f] not in flags}
+        if missing:
             raise TargetError(f"LLVM names this CPU {name!r}, but it lacks {sorted(missing)}; pass --mcpu with a CPU "
                               "model this machine fully supports (e.g. x86-64-v3)")
-    return CpuTarget(name, tuple(sorted(features)), matmul_precision)
-
+        offered = {f for f in offered if CHECKED_FEATURES[f] in flags}  # AMX that the host turned off: no AMX path
+    path = next((p for p, needs in BF16_PATHS.items() if offered.issuperset(needs)), None)
+    if matmul_precision == "bfloat16" and path is None:
+        raise TargetError(f"--matmul-precision bfloat16 runs on AMX tiles or AVX512-BF16 dot products, and CPU "
+                          f"{name!r} has neither (AVX512-BF16 came with Intel Cooper Lake and AMD Zen 4, AMX with "
+                          "Intel Sapphire Rapids); build with --matmul-precision float32 (or auto: bfloat16 where the "
+                          "CPU can)")
+    features = tuple(sorted(offered - set(AMX_FEATURES)))
+    target = CpuTarget(name, features, matmul_precision, path)
+    return replace(target, features=_with_path(features, path)) if target.bf16_products else target

@@ -165,12 +165,14 @@ class TargetSpec:
     mcpu: str | None = None
     features: tuple[str, ...] = ()
     matmul_precision: str | None = None
+    bf16_products: str | None = None
+    """Where prefill products of bfloat16 weights ran in bfloat16: amx, avx512bf16, or None (float32)."""
     arch: str | None = None
     cuda_compiler: str | None = None
     ptx_version: str | None = None
 
 
-TARGET_FIELDS = {"llvm": ("kind", "mtriple", "mcpu", "features", "matmul_precision"),
+TARGET_FIELDS = {"llvm": ("kind", "mtriple", "mcpu", "features", "matmul_precision", "bf16_products"),
                  "cuda": ("kind", "arch", "cuda_compiler", "ptx_version")}
 
 

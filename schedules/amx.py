@@ -14,9 +14,9 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .written import linear_func
+from .written import PAIR_ROWS, linear_func, pack_activation_pairs
 
-TILE = 16  # rows per tile; a tile row holds 64 bytes: 32 bfloat16 or 16 float32
+TILE = PAIR_ROWS  # rows per tile (16); a tile row holds 64 bytes: 32 bfloat16 or 16 float32
 DEPTH = 32  # bfloat16 depth per dot product
 BLOCK = 2 * TILE  # outputs per block side: 2 weight tiles x 2 activation tiles -> 4 accumulator tiles
 
@@ -31,12 +31,6 @@ def _tile_config(cfg):
         cfg[16 + 2 * t] = T.uint8(64)
         cfg[48 + t] = T.uint8(TILE)
     T.evaluate(T.call_llvm_intrin("void", "llvm.x86.ldtilecfg", T.address_of(cfg[0])))
-
-
-def _bf16_bits(v):
-    """The bits of float32 `v` rounded to the nearest bfloat16 (ties to even)."""
-    bits = T.reinterpret("uint32", v)
-    return T.Cast("uint16", (bits + T.uint32(0x7FFF) + ((bits >> T.uint32(16)) & T.uint32(1))) >> T.uint32(16))
 
 
 def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
@@ -68,10 +62,7 @@ def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     def products(x, w, y, first):
         # x as bfloat16 bits, 16 rows at a time, depth in pairs: xp[row block, depth / 2, row, 2]
         xp = T.alloc_buffer((m // TILE, k // 2, TILE, 2), "uint16")
-        for rb in T.parallel(m // TILE):
-            for r, d in T.grid(TILE, k // 2):
-                for p in T.vectorized(2):
-                    xp[rb, d, r, p] = _bf16_bits(x[rb * TILE + r, d * 2 + p])
+        pack_activation_pairs(x, xp)
         for task in T.parallel(n // BLOCK):  # a task: 32 outputs for every token row
             cfg = T.alloc_buffer((64,), "uint8")  # on the stack
             acc = T.alloc_buffer((4, TILE, TILE), "float32", scope="local")

@@ -2,7 +2,7 @@
 
 The compute definitions in `compiler.kernels` fix meaning. A schedule changes their loop structure; for some
 ops and shapes a hand-written kernel of the same computation replaces the definition instead (`_written`:
-the few-row products, the AMX GEMM, paged attention), tested against the same numpy references.
+the few-row products, the bfloat16 GEMMs on AMX tiles or AVX512-BF16 dot products, paged attention), tested against the same numpy references.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from tvm.script import tirx as T
 
 from . import stages
 from .amx import amx_gemm
+from .avx512_bf16 import dpbf16_gemm
 from .cpu_attention import paged_attention
 from .cpu_awq import awq_linear
 from .loops import split_loops, static_extent
@@ -343,13 +344,18 @@ SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "layer
              "paged_attention": _attention, "padded_attention": _attention, "image_attention": _attention, "batch_gated_delta_rule": _delta_rule}
 
 
-def _written(func: tirx.PrimFunc, kind: str, lanes: int, amx: bool, attrs: dict | None) -> tirx.PrimFunc | None:
+BF16_GEMMS = {"amx": amx_gemm, "avx512bf16": dpbf16_gemm}
+
+
+def _written(func: tirx.PrimFunc, kind: str, lanes: int, bf16_products: str | None,
+             attrs: dict | None) -> tirx.PrimFunc | None:
     """A hand-written kernel for this op and shape, or None when schedule primitives handle it."""
     if kind == "linear" and packed_weight(func):
         rows = int(func.params[0].shape[0])
         return None if rows > GEMV_MAX_ROWS and rows % lanes == 0 else awq_linear(func, lanes)
     if kind == "linear":
-        gemm = amx_gemm(func) if amx else None
+        rows = int(func.params[0].shape[0])
+        gemm = BF16_GEMMS[bf16_products](func) if bf16_products and rows > GEMV_MAX_ROWS else None
         return gemm if gemm is not None else _rows_gemv(func, lanes)
     if kind == "paged_attention" and attrs is not None:
         return paged_attention(func, attrs, lanes)
@@ -358,10 +364,10 @@ def _written(func: tirx.PrimFunc, kind: str, lanes: int, amx: bool, attrs: dict 
 
 def schedule(func: tirx.PrimFunc, kind: str, attrs: dict, target) -> tirx.PrimFunc:
     """The kernel of an op of `kind` (with the op's `attrs`) for a CPU target (`compiler.target.CpuTarget`: its
-    float32 SIMD `lanes`, and with `amx` prefill products of bfloat16 weights on AMX tiles); exp and sigmoid as
+    float32 SIMD `lanes`, and where prefill products of bfloat16 weights run in bfloat16: `bf16_products`); exp and sigmoid as
     vectorisable arithmetic."""
     lanes = target.lanes
-    written = _written(func, kind, lanes, target.amx, attrs)
+    written = _written(func, kind, lanes, target.bf16_products, attrs)
     if written is None:
         sch = s_tir.Schedule(func)
         SCHEDULES.get(kind, _generic)(sch, lanes)

@@ -48,6 +48,25 @@ def packed_linear_func(func: tirx.PrimFunc, products) -> tirx.PrimFunc:
     return linear_bias
 
 
+PAIR_ROWS = 16  # token rows per block of paired activations
+
+
+def bf16_bits(v):
+    """The bits of float32 `v` rounded to the nearest bfloat16 (ties to even)."""
+    bits = T.reinterpret("uint32", v)
+    return T.Cast("uint16", (bits + T.uint32(0x7FFF) + ((bits >> T.uint32(16)) & T.uint32(1))) >> T.uint32(16))
+
+
+@T.macro
+def pack_activation_pairs(x, xp):
+    """xp[row block, depth / 2, row, 2] = x[row block * PAIR_ROWS + row, depth] rounded to bfloat16 (its bits): the
+    operand layout of the bfloat16 pair products (AMX tiles and AVX512-BF16 dot products)."""
+    for rb in T.parallel(xp.shape[0]):
+        for r, d in T.grid(PAIR_ROWS, xp.shape[1]):
+            for p in T.vectorized(2):
+                xp[rb, d, r, p] = bf16_bits(x[rb * PAIR_ROWS + r, d * 2 + p])
+
+
 def packed_weight(func: tirx.PrimFunc) -> bool:
     """Whether a `linear` kernel takes its weight packed (ir.packing: int32 words, zeros and scales)."""
     return func.params[1].dtype == "int32"

@@ -1,0 +1,117 @@
+"""Prefill matrix products as AVX512-BF16 dot products: bfloat16 weights times activations rounded to bfloat16.
+
+For CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and 5, Intel Cooper Lake), under `--matmul-precision bfloat16`,
+with the numerics of the AMX kernel: activations rounded to bfloat16 (ties to even) once per call, products
+exact, sums float32.
+
+`vdpbf16ps acc, a, b` adds, in each of 16 float32 lanes i, a[2i] * b[2i] + a[2i + 1] * b[2i + 1]. Here the lanes
+are 16 token rows: `a` holds one depth pair of each, from the activations packed once per call into
+[rows / 16, depth / 2, 16, 2] (as the AMX kernel packs them), and `b` is one depth pair of one weight row read in
+place (w is [out, in], so a pair is one 32-bit word) and broadcast to every lane. A tile of COLS weight rows x
+TOKEN_VECS x 16 token rows keeps its sums in registers; a task is a block of output columns that every tile of
+token rows passes over, one depth block at a time (so the block's weights and activations stay in L2), adding
+into y.
+
+TVM's LLVM backend stores bfloat16 as 16-bit integers and computes on it in float32, so no TVM expression has
+LLVM's `<32 x bfloat>` type that the intrinsic takes. The kernel calls a small LLVM IR function instead
+(`DPBF16PS_IR`, imported into the module with `pragma_import_llvm`) that reinterprets two words-vectors as
+bfloat16 pairs and calls the intrinsic; LLVM inlines it, folding the broadcast into the instruction.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .written import PAIR_ROWS, linear_func, pack_activation_pairs
+
+LANES = PAIR_ROWS  # float32 lanes of a zmm register (16): token rows per vector
+DEPTH_BLOCK_PAIRS = 512  # depth pairs per pass (1024 depth): a tile's activations and a task's weights stay in L2
+MIN_DEPTH_BLOCK_PAIRS = 128  # shorter blocks cost more in reloaded sums than L2 reuse buys
+MIN_TASKS = 8  # column blocks per product at least, to spread over the cores
+ACCUMULATORS = 16  # of the 32 zmm registers: COLS x TOKEN_VECS
+DOT = "ruda_dpbf16ps"
+
+DPBF16PS_IR = f"""
+declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
+
+define linkonce_odr <16 x float> @{DOT}(<16 x float> %acc, <16 x i32> %a, <16 x i32> %b) alwaysinline {{
+  %pairs_a = bitcast <16 x i32> %a to <32 x bfloat>
+  %pairs_b = bitcast <16 x i32> %b to <32 x bfloat>
+  %sum = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %acc, <32 x bfloat> %pairs_a,
+                                                              <32 x bfloat> %pairs_b)
+  ret <16 x float> %sum
+}}
+"""
+
+
+def _tiles(m: int, n: int) -> tuple[int, int, int] | None:
+    """(token vectors, weight rows) per register tile and columns per task, or None when m or n do not divide."""
+    if m % LANES or n % 2:
+        return None
+    shapes = [(v, c) for v in (4, 2, 1) for c in (8, 4, 2) if (m // LANES) % v == 0 and n % c == 0
+              and v * c <= ACCUMULATORS]
+    vecs, cols = min(shapes, key=lambda vc: ((vc[0] + vc[1]) / (vc[0] * vc[1]), -vc[0]))  # fewest loads per dot
+    task = next((t for t in (64, 32, 16) if n % t == 0 and t % cols == 0 and n // t >= MIN_TASKS), cols)
+    return vecs, cols, task
+
+
+def dpbf16_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.PrimFunc | None:
+    """x @ w.T (+ bias) for float32 x and bfloat16 w as AVX512-BF16 dot products, or None when the shape does not
+    fit (token rows a multiple of 16, depth even). `dot_ir` defines the dot product (tests pass a plain-IR one
+    of the same arithmetic, to run the kernel on CPUs without the instruction)."""
+    x_buf, w_buf = func.params[:2]
+    m, k = (int(d) for d in x_buf.shape)
+    n = int(w_buf.shape[0])
+    tiles = _tiles(m, n)
+    if w_buf.dtype != "bfloat16" or x_buf.dtype != "float32" or k % 2 or tiles is None:
+        return None
+    vecs, cols, task_cols = tiles
+    pairs = k // 2
+    block = next((b for b in range(min(pairs, DEPTH_BLOCK_PAIRS), MIN_DEPTH_BLOCK_PAIRS - 1, -1) if pairs % b == 0),
+                 pairs)  # no divisor that large: one pass over the whole depth
+
+    half = cols // 2
+
+    @T.macro
+    def start(acc, y, first, kb, row, col):
+        for c, v in T.grid(half, vecs):
+            for lane in T.vectorized(LANES):
+                acc[c, v, lane] = T.if_then_else(kb == 0, first(col + c), y[row + v * LANES + lane, col + c])
+
+    @T.macro
+    def dots(acc, xw, ww, tv, col, pair):
+        for c in T.unroll(half):
+            for v in T.unroll(vecs):
+                acc[c, v, T.ramp(0, 1, LANES)] = T.call_extern(
+                    "float32x16", DOT, acc[c, v, T.ramp(0, 1, LANES)], xw[tv * vecs + v, pair, T.ramp(0, 1, LANES)],
+                    T.broadcast(ww[col + c, pair], LANES))
+
+    @T.macro
+    def finish(acc, y, row, col):
+        for c, v in T.grid(half, vecs):
+            for lane in T.vectorized(LANES):
+                y[row + v * LANES + lane, col + c] = acc[c, v, lane]
+
+    @T.macro
+    def products(x, w, y, first):
+        xp = T.alloc_buffer((m // LANES, pairs, LANES, 2), "uint16")
+        pack_activation_pairs(x, xp)
+        xw = T.decl_buffer((m // LANES, pairs, LANES), "int32", data=xp.data)  # a depth pair of 16 rows: 16 words
+        ww = T.decl_buffer((n, pairs), "int32", data=w.data)  # a depth pair of a weight row: one word
+        with T.attr(0, "pragma_import_llvm", dot_ir):
+            for task in T.parallel(n // task_cols):
+                # the tile's sums in two buffers of half its weight rows: each under 1 KiB, so on the stack (TVM
+                # puts larger ones on the heap), where LLVM keeps them in registers
+                acc0 = T.alloc_buffer((half, vecs, LANES), "float32")
+                acc1 = T.alloc_buffer((half, vecs, LANES), "float32")
+                for kb, tv, ct in T.grid(pairs // block, m // LANES // vecs, task_cols // cols):
+                    start(acc0, y, first, kb, tv * vecs * LANES, task * task_cols + ct * cols)
+                    start(acc1, y, first, kb, tv * vecs * LANES, task * task_cols + ct * cols + half)
+                    for d in range(block):
+                        dots(acc0, xw, ww, tv, task * task_cols + ct * cols, kb * block + d)
+                        dots(acc1, xw, ww, tv, task * task_cols + ct * cols + half, kb * block + d)
+                    finish(acc0, y, tv * vecs * LANES, task * task_cols + ct * cols)
+                    finish(acc1, y, tv * vecs * LANES, task * task_cols + ct * cols + half)
+
+    return linear_func(func, products)

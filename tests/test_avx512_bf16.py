@@ -1,0 +1,198 @@
+"""bfloat16 prefill products as AVX512-BF16 dot products (`--matmul-precision bfloat16` on CPUs without AMX), the
+choice between the two bfloat16 paths, `--matmul-precision auto`, and their errors.
+
+The kernel runs here on any x86 CPU with `PORTABLE_DOT`: the instruction's arithmetic (each lane adds its odd
+pair's product, then its even pair's, in float32; bfloat16 products are exact in float32) in plain LLVM IR, so
+the layout, tiling and depth blocks are checked against numpy everywhere. The instruction itself runs where the
+host has AVX512-BF16, and every machine checks that the kernel compiles to it for such CPUs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+
+from compiler.build import BuildError, build, make_target
+from compiler.kernels import make_kernel
+from compiler.target import TargetError, cpu_target
+from ir import TensorType
+from ir.contract import ArtifactError
+from ir.cpu_features import host_cpu_flags
+from models.tiny import write_tiny_checkpoint
+from runtime import CompiledModel
+from schedules import cpu
+from schedules.avx512_bf16 import DOT, dpbf16_gemm
+
+HAS_AVX512_BF16 = {"avx512f", "avx512_bf16"} <= host_cpu_flags()
+needs_avx512_bf16 = pytest.mark.skipif(not HAS_AVX512_BF16, reason="this CPU has no AVX512-BF16 dot products")
+HOST = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": cpu_target().mcpu})
+RNG = np.random.default_rng(19)
+
+PORTABLE_DOT = f"""
+define linkonce_odr <16 x float> @{DOT}(<16 x float> %acc, <16 x i32> %a, <16 x i32> %b) alwaysinline {{
+  %a_even = shl <16 x i32> %a, splat (i32 16)
+  %a_odd = and <16 x i32> %a, splat (i32 -65536)
+  %b_even = shl <16 x i32> %b, splat (i32 16)
+  %b_odd = and <16 x i32> %b, splat (i32 -65536)
+  %fa_even = bitcast <16 x i32> %a_even to <16 x float>
+  %fa_odd = bitcast <16 x i32> %a_odd to <16 x float>
+  %fb_even = bitcast <16 x i32> %b_even to <16 x float>
+  %fb_odd = bitcast <16 x i32> %b_odd to <16 x float>
+  %odd = fmul <16 x float> %fa_odd, %fb_odd
+  %with_odd = fadd <16 x float> %acc, %odd
+  %even = fmul <16 x float> %fa_even, %fb_even
+  %sum = fadd <16 x float> %with_odd, %even
+  ret <16 x float> %sum
+}}
+"""
+
+
+def linear_kernel(rows: int, depth: int, cols: int, bias: str | None = None):
+    """The `linear` compute definition for these shapes and bfloat16 weights."""
+    types = [TensorType((rows, depth), "float32"), TensorType((cols, depth), "bfloat16")]
+    return make_kernel("linear", types + ([TensorType((cols,), bias)] if bias else []), {}).func
+
+
+def run(func, inputs: list[np.ndarray], rows: int, cols: int) -> np.ndarray:
+    """Compile `func` for this host and run it on `inputs`."""
+    lib = tvm.compile(func, HOST)
+    out = tvm.runtime.empty((rows, cols), "float32", tvm.cpu())
+    lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)
+    return out.numpy()
+
+
+def random_inputs(rows: int, depth: int, cols: int, bias: str | None) -> list[np.ndarray]:
+    x = RNG.standard_normal((rows, depth)).astype(np.float32)
+    w = (RNG.standard_normal((cols, depth)) * depth ** -0.5).astype(ml_dtypes.bfloat16)
+    return [x, w] + ([RNG.standard_normal(cols).astype(bias)] if bias else [])
+
+
+def reference(inputs: list[np.ndarray], rounded: bool = True) -> np.ndarray:
+    """x @ w.T + b in float64, with x rounded to bfloat16 first (`rounded`) as the kernel rounds it."""
+    x, w, *bias = inputs
+    x = x.astype(ml_dtypes.bfloat16) if rounded else x
+    return x.astype(np.float64) @ w.astype(np.float64).T + (bias[0].astype(np.float64) if bias else 0)
+
+
+@pytest.mark.parametrize("rows,depth,cols", [
+    (32, 64, 64),  # 2 token vectors x 8 weight rows per tile, one task per 8 columns
+    (64, 896, 128),  # 4 x 4 tiles, 16-column tasks
+    (256, 2816, 64),  # 1408 depth pairs: blocks of 352, the sums carried in y between blocks
+    (48, 130, 6),  # 3 token vectors (1 per tile), 65 pairs (one block), 2 weight rows per tile
+    (16, 4106, 4),  # 2053 depth pairs (prime): no block size divides it, one pass over the whole depth
+])
+@pytest.mark.parametrize("bias", [None, "bfloat16", "float32"])
+def test_kernel_matches_numpy_on_rounded_activations(rows, depth, cols, bias):
+    inputs = random_inputs(rows, depth, cols, bias)
+    got = run(dpbf16_gemm(linear_kernel(rows, depth, cols, bias), PORTABLE_DOT), inputs, rows, cols)
+    want = reference(inputs)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * float(np.abs(want).max()))
+    exact = reference(inputs, rounded=False)
+    assert np.abs(got - exact).max() > 1e-4 * float(np.abs(exact).max())  # the activations really were rounded
+
+
+def test_activations_round_to_nearest_bfloat16_ties_to_even():
+    one_ulp = 2.0 ** -7  # of bfloat16 at 1.0
+    values = [1 + one_ulp / 2, 1 + 3 * one_ulp / 2, 1 + one_ulp / 2 + 2 ** -20, -(1 + one_ulp / 2), 3.0e38, 1.2345e-3]
+    x = np.zeros((16, 32), np.float32)
+    x[0, :len(values)] = values
+    got = run(dpbf16_gemm(linear_kernel(16, 32, 32), PORTABLE_DOT), [x, np.eye(32, dtype=ml_dtypes.bfloat16)], 16, 32)
+    np.testing.assert_array_equal(got[0, :len(values)], x[0, :len(values)].astype(ml_dtypes.bfloat16).astype(np.float32))
+    assert got[0, 0] == 1.0 and got[0, 1] == 1 + 2 * one_ulp
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("rows,depth,cols", [(32, 64, 64), (64, 896, 128), (256, 2816, 64)])
+def test_the_instruction_computes_what_the_portable_dot_does(rows, depth, cols):
+    inputs = random_inputs(rows, depth, cols, "float32")
+    got = run(dpbf16_gemm(linear_kernel(rows, depth, cols, "float32")), inputs, rows, cols)
+    portable = run(dpbf16_gemm(linear_kernel(rows, depth, cols, "float32"), PORTABLE_DOT), inputs, rows, cols)
+    np.testing.assert_allclose(got, portable, rtol=1e-6, atol=1e-6 * float(np.abs(portable).max()))
+    want = reference(inputs)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * float(np.abs(want).max()))
+
+
+def test_shapes_that_do_not_fit_keep_float32_products():
+    for rows, depth, cols, dtype in [(24, 64, 64, "bfloat16"), (32, 63, 64, "bfloat16"), (32, 64, 63, "bfloat16"),
+                                     (32, 64, 64, "float16"), (32, 64, 64, "float32")]:
+        types = [TensorType((rows, depth), "float32"), TensorType((cols, depth), dtype)]
+        assert dpbf16_gemm(make_kernel("linear", types, {}).func) is None
+
+
+@pytest.mark.parametrize("mcpu", ["znver4", "znver5", "cooperlake"])
+def test_cpus_with_avx512_bf16_and_no_amx_compile_prefill_products_to_vdpbf16ps(mcpu):
+    target = cpu_target(mcpu, "bfloat16")
+    assert target.bf16_products == "avx512bf16" and "avx512bf16" in target.features
+    assert "amx-tile" not in target.features
+    prefill, decode = linear_kernel(64, 896, 128), linear_kernel(1, 896, 128)
+    asm = tvm.compile(cpu.schedule(prefill, "linear", {}, target), target.tvm_target()).mod.inspect_source("asm")
+    assert asm.count("vdpbf16ps") >= 16  # the 4 x 4 register tile, unrolled
+    asm = tvm.compile(cpu.schedule(decode, "linear", {}, target), target.tvm_target()).mod.inspect_source("asm")
+    assert "vdpbf16ps" not in asm  # decode products stay float32
+
+
+def test_the_path_each_cpu_gets_and_what_auto_resolves_to():
+    assert cpu_target("sapphirerapids", "bfloat16").bf16_products == "amx"  # AMX first where both exist
+    assert {"amx-tile", "amx-bf16"} <= set(cpu_target("sapphirerapids", "bfloat16").features)
+    assert "amx-tile" not in cpu_target("sapphirerapids").features  # float32 builds do not require AMX hosts
+    auto = cpu_target("znver5", "auto")
+    assert auto.for_weights("bfloat16").bf16_products == "avx512bf16"
+    assert auto.for_weights("bfloat16").matmul_precision == "bfloat16"
+    assert auto.for_weights("float32").matmul_precision == "float32"
+    assert auto.for_weights("float32").bf16_products is None
+    amx = cpu_target("sapphirerapids", "auto").for_weights("bfloat16")
+    assert amx.bf16_products == "amx" and {"amx-tile", "amx-bf16"} <= set(amx.features)
+    plain = cpu_target("znver3", "auto").for_weights("bfloat16")
+    assert plain.matmul_precision == "float32" and plain.bf16_products is None
+
+
+def test_matmul_precision_errors_name_the_fix():
+    with pytest.raises(TargetError, match="AMX tiles or AVX512-BF16 dot products, and CPU 'skylake-avx512' has "
+                                          "neither.*--matmul-precision float32 \\(or auto"):
+        cpu_target("skylake-avx512", "bfloat16")
+    with pytest.raises(TargetError, match="'float16' is not one of float32, bfloat16, auto"):
+        cpu_target(None, "float16")
+    with pytest.raises(BuildError, match="--matmul-precision only apply to --target llvm"):
+        make_target("cuda", matmul_precision="auto")
+
+
+def test_whole_model_build_records_the_path_and_a_host_without_it_is_told_to_rebuild(tmp_path):
+    model_dir = write_tiny_checkpoint(tmp_path / "model", arch="qwen2", dtype="bfloat16", seed=4)
+    artifact = build(model_dir, out=tmp_path / "zen5", prefill_buckets=(32,), max_context=64, mcpu="znver5",
+                     matmul_precision="auto", quiet=True).path
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["target"]["matmul_precision"] == "bfloat16"
+    assert manifest["target"]["bf16_products"] == "avx512bf16" and "avx512bf16" in manifest["target"]["features"]
+    assert manifest["build_options"][-2:] == ["--matmul-precision", "bfloat16"]
+    if HAS_AVX512_BF16:
+        CompiledModel(model_dir, artifact)
+    else:
+        with pytest.raises(ArtifactError, match="CPU 'znver5', which uses .*avx512bf16.* that this machine lacks; "
+                                                "rebuild here: python -m compiler build") as e:
+            CompiledModel(model_dir, artifact)
+        assert "--mcpu" not in str(e.value) and "--matmul-precision" not in str(e.value)  # this CPU's own build
+
+
+@needs_avx512_bf16
+def test_whole_model_with_dot_product_prefill_tracks_transformers(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model_dir = write_tiny_checkpoint(tmp_path / "model", arch="qwen2", dtype="bfloat16", seed=4)
+    target = cpu_target(None, "bfloat16")
+    if target.bf16_products != "avx512bf16":
+        pytest.skip("this CPU runs bfloat16 products on AMX tiles (tests/test_amx.py)")
+    artifact = build(model_dir, out=tmp_path / "dot", prefill_buckets=(32,), max_context=64, mcpu=target.mcpu,
+                     matmul_precision="bfloat16", quiet=True).path
+    ours = CompiledModel(model_dir, artifact)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = [int(t) for t in RNG.integers(0, ours.config.vocab_size, 24)]
+    got = ours.forward(prompt, ours.new_cache(32))
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0, -1].numpy()
+    error = np.abs(got - want).max() / np.abs(want).max()
+    assert 1e-4 < error < 2e-2  # bfloat16 activations in the products: off float32 by their rounding, no more
+    assert int(np.argmax(got)) == int(np.argmax(want))
