@@ -86,6 +86,7 @@ GEMV_MAX_ROWS = 16  # activation rows a weight-streaming product takes (decode s
 GEMV_L1_BYTES = 32 * 1024  # x rows larger than a core's L1 data cache are read one depth block at a time
 GEMV_X_BLOCK_BYTES = 16 * 1024  # ... of this many bytes of x (half of L1: the weights stream through it too)
 GEMV_TASK_ROWS = 16  # several x rows: weight rows per task, passed over depth block by depth block
+CACHE_LINE = 64  # bytes: what one prefetch brings in
 
 
 def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
@@ -98,7 +99,9 @@ def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     (into L2) the same elements of the next tile's rows, which follow in memory (the hardware prefetcher alone
     leaves a core well short of its share of memory bandwidth on 16-bit weights). The group and the tile are
     the shape with the fewest loads per product (8 rows on AVX2: two groups of 4 rows x 2 weight rows, 6 loads
-    per 8 FMAs, not 1 x 8: 9); the groups take turns over a tile's weights, which stay in L1. When the x rows
+    per 8 FMAs, not 1 x 8: 9); the groups take turns over a tile's weights, which stay in L1, so up to
+    GEMV_MAX_ROWS rows fit whatever the register count (16 rows on AVX2: four groups, faster than the GEMM there
+    on weights streamed from memory). When the x rows
     outgrow L1, a task holds
     GEMV_TASK_ROWS weight rows and passes over them one depth block at a time, so the block's slice of x stays in
     L1 for all of them (the partial sums wait in memory between blocks). One row of float32 weights is left to
@@ -111,7 +114,7 @@ def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     halves = 2 if m == 1 else 1  # one row: two accumulators per weight row, to hide the FMA latency
     step = halves * lanes
     budget = 16 if lanes >= 16 else 8  # accumulators: half the SIMD registers (AVX-512 has 32, AVX2 16)
-    if m > min(GEMV_MAX_ROWS, budget) or k % step or (m == 1 and w_buf.dtype not in ("bfloat16", "float16")):
+    if m > GEMV_MAX_ROWS or k % step or (m == 1 and w_buf.dtype not in ("bfloat16", "float16")):
         return None
     group, cols = min(((g, c) for g in range(1, m + 1) for c in (4, 2, 1)
                        if m % g == 0 and n % c == 0 and g * c * halves <= budget),
@@ -121,6 +124,18 @@ def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     block = next(b for b in range(GEMV_X_BLOCK_BYTES // (4 * m) // step * step, 0, -step) if k % b == 0) \
         if blocked else k
     rows_per_task = tiles * cols
+    line = max(1, CACHE_LINE // (step * tvm.DataType(w_buf.dtype).bits // 8))  # steps per cache line of a row
+    per_line = line if block % (step * line) == 0 else 1
+
+    # Index arithmetic is written inline: a scalar bound by assignment in a macro becomes a one-element buffer on
+    # the heap (TVM 0.27), which the loop then stores and reloads every step.
+    def row(task, t):
+        """The first weight row of a task's tile t."""
+        return (task * tiles + t) * cols
+
+    def at(kb, s, u):
+        """The first depth element of step u of cache line s of depth block kb."""
+        return kb * block + (s * per_line + u) * step
 
     @T.macro
     def products(xs, ws, ys, first):
@@ -132,36 +147,37 @@ def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
             for t, r, c, h, lane in T.grid(tiles, m, cols, halves, lanes):
                 sums[t, r, c, h, lane] = T.float32(0)
             for kb, t, g in T.grid(k // block, tiles, m // group):
-                row = (task * tiles + t) * cols
                 for r in T.unroll(group):
                     for c in T.unroll(cols):
                         for h in T.unroll(halves):
                             for lane in T.vectorized(lanes):
                                 acc[r, c, h, lane] = sums[t, g * group + r, c, h, lane]
-                for s in range(block // step):
-                    at = kb * block + s * step
-                    for c in T.unroll(cols):
-                        if g == 0:
+                for s in range(block // (step * per_line)):
+                    if g == 0:  # one prefetch per cache line of each of the next tile's rows
+                        for c in T.unroll(cols):
                             T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                                flat[T.min((row + cols + c) * k + at, n * k - 1)]), 0, 2, 1))  # into L2
-                        for h in T.unroll(halves):
-                            for lane in T.vectorized(lanes):
-                                wide[c, h, lane] = T.Cast("float32", ws[row + c, at + h * lanes + lane])
-                    for r in T.unroll(group):
+                                flat[T.min((row(task, t) + cols + c) * k + at(kb, s, 0), n * k - 1)]), 0, 2, 1))
+                    for u in T.unroll(per_line):
                         for c in T.unroll(cols):
                             for h in T.unroll(halves):
                                 for lane in T.vectorized(lanes):
-                                    acc[r, c, h, lane] = acc[r, c, h, lane] + xs[g * group + r, at + h * lanes + lane] \
-                                        * wide[c, h, lane]
+                                    wide[c, h, lane] = T.Cast("float32",
+                                                              ws[row(task, t) + c, at(kb, s, u) + h * lanes + lane])
+                        for r in T.unroll(group):
+                            for c in T.unroll(cols):
+                                for h in T.unroll(halves):
+                                    for lane in T.vectorized(lanes):
+                                        acc[r, c, h, lane] = acc[r, c, h, lane] + \
+                                            xs[g * group + r, at(kb, s, u) + h * lanes + lane] * wide[c, h, lane]
                 for r in T.unroll(group):
                     for c in T.unroll(cols):
                         for h in T.unroll(halves):
                             for lane in T.vectorized(lanes):
                                 sums[t, g * group + r, c, h, lane] = acc[r, c, h, lane]
             for t, r, c in T.grid(tiles, m, cols):
-                ys[r, (task * tiles + t) * cols + c] = first((task * tiles + t) * cols + c)
+                ys[r, row(task, t) + c] = first(row(task, t) + c)
                 for h, lane in T.grid(halves, lanes):
-                    ys[r, (task * tiles + t) * cols + c] = ys[r, (task * tiles + t) * cols + c] + sums[t, r, c, h, lane]
+                    ys[r, row(task, t) + c] = ys[r, row(task, t) + c] + sums[t, r, c, h, lane]
 
     return linear_func(func, products)
 

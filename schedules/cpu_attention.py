@@ -16,10 +16,17 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+# Scalars are written inline, never bound by assignment: TVM 0.27 makes such a name a one-element heap buffer that
+# every use stores and reloads.
 # Accumulator tiles are plain (global-scope) buffers under 1 KiB: TVM puts those on the stack, where LLVM keeps them
 # in registers; larger ones, and any in "local" scope, become heap workspace that every FMA reads and writes.
 POSITIONS = 7  # positions scored per step, each with its own accumulators (7 x 2 row vectors)
 OUT_ROWS = 2  # query rows summed per step of the weighted sum, times up to 4 vectors of the head dimension
+
+
+def steps(seen):
+    """Steps of POSITIONS positions that cover `seen` positions."""
+    return (seen + POSITIONS - 1) // POSITIONS
 
 
 class _Shape:
@@ -48,7 +55,6 @@ def _block_macro(shape: _Shape):
 
     @T.macro
     def rows_block(q, out, keys, values, h, kv, r0, first, seen, base):
-        steps = (seen + POSITIONS - 1) // POSITIONS
         qt = T.alloc_buffer((dim, block), "float32")  # q of the block's rows, transposed, scaled
         s = T.alloc_buffer((span, block), "float32")  # scores, then probabilities
         offsets = T.alloc_buffer((POSITIONS,), "int32")
@@ -58,7 +64,7 @@ def _block_macro(shape: _Shape):
         out_acc = T.alloc_buffer((OUT_ROWS, out_vecs, lanes), "float32")
         for r, d in T.grid(block, dim):
             qt[d, r] = q[r0 + r, h * dim + d] * T.float32(scale)
-        for step in range(steps):
+        for step in range(steps(seen)):
             for p in T.unroll(POSITIONS):  # positions past the last seen one read it again; the mask drops them
                 offsets[p] = base(T.min(step * POSITIONS + p, seen - 1)) + kv
             for p in T.unroll(POSITIONS):  # every loop that indexes an accumulator tile is unrolled
@@ -78,11 +84,11 @@ def _block_macro(shape: _Shape):
             for lane in T.vectorized(lanes):
                 top[v, lane] = T.min_value("float32")
                 total[v, lane] = T.float32(0)
-            for j in range(steps * POSITIONS):
+            for j in range(steps(seen) * POSITIONS):
                 for lane in T.vectorized(lanes):
                     top[v, lane] = T.max(top[v, lane], T.Select(
                         j <= T.min(first + v * lanes + lane, seen - 1), s[j, v * lanes + lane], T.min_value("float32")))
-            for j in range(steps * POSITIONS):
+            for j in range(steps(seen) * POSITIONS):
                 for lane in T.vectorized(lanes):
                     s[j, v * lanes + lane] = T.Select(j <= T.min(first + v * lanes + lane, seen - 1),
                                                       T.exp(s[j, v * lanes + lane] - top[v, lane]), T.float32(0))
@@ -127,12 +133,11 @@ def _row_macro(shape: _Shape):
                 qs[c, lane] = q[t, h * dim + c * lanes + lane] * T.float32(scale)
         top[0] = T.min_value("float32")
         for j in range(last + 1):
-            at = base(j) + kv
             for lane in T.vectorized(lanes):
                 acc[lane] = T.float32(0)
             for c in range(chunks):
                 for lane in T.vectorized(lanes):
-                    acc[lane] = acc[lane] + qs[c, lane] * keys[at + c * lanes + lane]
+                    acc[lane] = acc[lane] + qs[c, lane] * keys[base(j) + kv + c * lanes + lane]
             s[j] = T.float32(0)
             for lane in range(lanes):
                 s[j] = s[j] + acc[lane]
@@ -144,10 +149,9 @@ def _row_macro(shape: _Shape):
         for j in range(last + 1):
             s[j] = T.exp(s[j] - top[0])
             total[0] = total[0] + s[j]
-            at = base(j) + kv
             for c in range(chunks):
                 for lane in T.vectorized(lanes):
-                    out_acc[c, lane] = out_acc[c, lane] + s[j] * values[at + c * lanes + lane]
+                    out_acc[c, lane] = out_acc[c, lane] + s[j] * values[base(j) + kv + c * lanes + lane]
         for c in range(chunks):
             for lane in T.vectorized(lanes):
                 out[t, h * dim + c * lanes + lane] = out_acc[c, lane] / total[0]
@@ -179,10 +183,9 @@ def paged_attention(func: tirx.PrimFunc, attrs: dict, lanes: int) -> tirx.PrimFu
 
     @T.macro
     def chunk_or_rows(q, out, keys, values, table, row_of, pos_of, h, t0):
-        seq = row_of[t0]
-        if row_of[t0 + block - 1] == seq and pos_of[t0 + block - 1] == pos_of[t0] + block - 1:
+        if row_of[t0 + block - 1] == row_of[t0] and pos_of[t0 + block - 1] == pos_of[t0] + block - 1:
             rows_block(q, out, keys, values, h, h // group * dim, t0, pos_of[t0], pos_of[t0] + block,
-                       lambda j: T.max(table[seq, j // page_size], 0) * page_floats + j % page_size * kv_width)
+                       lambda j: T.max(table[row_of[t0], j // page_size], 0) * page_floats + j % page_size * kv_width)
         else:
             single_rows(q, out, keys, values, table, row_of, pos_of, h, t0)
 

@@ -44,7 +44,7 @@ def test_linear_matches_numpy(rows, depth, cols, dtype, bias):
 
 
 @pytest.mark.parametrize("mcpu", [None, "x86-64-v3"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8])  # 6, 8: groups of rows take turns over the weights
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8, 12, 16])  # 6 and up: groups of rows take turns over the weights
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("depth,cols", [(64, 36), (3072, 48)])  # the second: tasks of 16 rows, several depth blocks
