@@ -6,8 +6,10 @@
 
 --shape and --dtype take a name, a comma-separated list or `all`. For each shape and dtype the run
 makes a random-weight checkpoint in Hugging Face format (benchmarks/checkpoints.py), builds it for
-llvm, measures this machine's memory read bandwidth (numpy max, one share of 1 GiB per core), then times,
-one after another in this process with the same number of threads (every core it may use):
+llvm, measures this machine's memory read bandwidth (numpy max, one share of 1 GiB per core), opens every engine
+in this process with the same number of threads (every core it may use), and runs them in turn, one run each per
+round, --runs rounds (alternating, so that the drift of a shared host's speed hits every engine alike; a short
+pause after each run lets that engine's threads stop spinning):
 
 - ours: the compiled artifact through CompiledModel; for bfloat16 also one built with --matmul-precision bfloat16
   (prefill products on AMX tiles, else AVX512-BF16 dot products; a row with the reason where this CPU has neither);
@@ -37,7 +39,7 @@ import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +51,7 @@ from benchmarks.gguf_convert import QUANT_TYPES, gguf_file, quantized_gguf
 DTYPES = ("bfloat16", "float32")
 GGUF_TYPES = {"float32": ("f32",), "bfloat16": ("bf16", "f16"), "float16": ("f16",), "awq": tuple(QUANT_TYPES)}
 AWQ_GROUP = 128
+PAUSE_S = 0.5  # between two engines' runs: the threads of the one that ran (OpenMP) stop spinning
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -64,19 +67,21 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return sum(p.nbytes for p in parts) / best
 
 
+def one_run(prefill_fn, decode_fn, tokens: int) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s) of one prefill then tokens-1 decode steps."""
+    start = time.perf_counter()
+    state = prefill_fn()
+    prefill = tokens / (time.perf_counter() - start)
+    start = time.perf_counter()
+    for _ in range(tokens - 1):
+        state = decode_fn(state)
+    return prefill, (tokens - 1) / (time.perf_counter() - start)
+
+
 def timed_generation(prefill_fn, decode_fn, tokens: int, runs: int) -> tuple[float, float]:
     """Median (prefill tokens/s, decode tokens/s) of `runs` runs of prefill then tokens-1 decode steps."""
-    prefill, decode = [], []
-    for _ in range(runs):
-        start = time.perf_counter()
-        state = prefill_fn()
-        prefill.append(tokens / (time.perf_counter() - start))
-        start = time.perf_counter()
-        for _ in range(tokens - 1):
-            state = decode_fn(state)
-        decode.append((tokens - 1) / (time.perf_counter() - start))
-        state = None  # the run's cache goes before the next prefill makes one
-    return statistics.median(prefill), statistics.median(decode)
+    speeds = [one_run(prefill_fn, decode_fn, tokens) for _ in range(runs)]  # each run's cache goes with the run
+    return statistics.median(p for p, _ in speeds), statistics.median(d for _, d in speeds)
 
 
 @contextmanager
@@ -171,25 +176,34 @@ def llama_cpp_peer(gguf: Path, args, prompt: list[int], threads: int):
         llm.close()
 
 
-def measure(peer, source, args, prompt: list[int], threads: int, fallback: str) -> dict:
-    """Speeds of one peer on `source` (checkpoint dir or GGUF, or the exception that stopped it), then free it."""
+def open_engine(stack: ExitStack, peer, source, args, prompt: list[int], threads: int, fallback: str) -> dict:
+    """One engine opened on `source` (checkpoint dir or GGUF, or the exception that stopped it) for the rounds, held
+    until `stack` closes: {"engine", "steps": (prefill, decode), "runs": []}, or {"engine", "error"}."""
     try:
         if isinstance(source, Exception):
             raise source
-        return timed_peer(peer, source, args, prompt, threads)
+        label, prefill, decode = stack.enter_context(peer(source, args, prompt, threads))
+        return {"engine": label, "steps": (prefill, decode), "runs": []}
     except ImportError as e:
         return {"engine": fallback, "error": f"not installed ({e}); pip install -e .[test,bench]"}
     except Exception as e:  # noqa: BLE001  (a peer that fails is reported, not hidden)
         return {"engine": fallback, "error": f"{type(e).__name__}: {e}"}
-    finally:
-        gc.collect()
 
 
-def timed_peer(peer, source, args, prompt: list[int], threads: int) -> dict:
-    """Speeds of one peer; everything it holds is released when this returns."""
-    with peer(source, args, prompt, threads) as (label, prefill, decode):
-        p, d = timed_generation(prefill, decode, args.tokens, args.runs)
-    return {"engine": label, "prefill_tokens_per_s": round(p, 1), "decode_tokens_per_s": round(d, 2)}
+def run_rounds(engines: list[dict], tokens: int, rounds: int) -> list[dict]:
+    """Every open engine once per round, in turn, `rounds` times; each engine's medians (or the error that stopped
+    it). Alternating, not one engine's runs after another's: a shared host's speed drifts over minutes."""
+    for _ in range(rounds):
+        for e in (e for e in engines if "steps" in e):
+            try:
+                e["runs"].append(one_run(*e["steps"], tokens))
+            except Exception as error:  # noqa: BLE001
+                e.pop("steps")
+                e["error"] = f"{type(error).__name__}: {error}"
+            time.sleep(PAUSE_S)
+    return [{"engine": e["engine"], "error": e["error"]} if "error" in e else
+            {"engine": e["engine"], "prefill_tokens_per_s": round(statistics.median(p for p, _ in e["runs"]), 1),
+             "decode_tokens_per_s": round(statistics.median(d for _, d in e["runs"]), 2)} for e in engines]
 
 
 def gguf_or_error(model_dir: Path, outtype: str, args) -> Path | Exception:
@@ -214,13 +228,15 @@ def benchmark(shape: str, dtype: str, args) -> dict:
     load = os.getloadavg()[0]  # other work on the machine skews every column; recorded, not corrected for
     bandwidth = read_bandwidth()
     weight_bytes = weight_bytes_per_token(ours_dir)
-    engines = [measure(ours, ours_dir, args, prompt, threads, "ours")]
-    if dtype == "bfloat16":
-        engines.append(measure(ours_bf16, model_dir, args, prompt, threads, "ours (bf16 prefill products)"))
-    engines.append(measure(transformers_peer, model_dir, args, prompt, threads, "transformers"))
-    for outtype in GGUF_TYPES[dtype]:
-        engines.append(measure(llama_cpp_peer, gguf_or_error(model_dir, outtype, args), args, prompt, threads,
-                               f"llama.cpp (GGUF {outtype.upper()})"))
+    peers = [(ours, ours_dir, "ours")]
+    peers += [(ours_bf16, model_dir, "ours (bf16 prefill products)")] if dtype == "bfloat16" else []
+    peers += [(transformers_peer, model_dir, "transformers")]
+    peers += [(llama_cpp_peer, gguf_or_error(model_dir, outtype, args), f"llama.cpp (GGUF {outtype.upper()})")
+              for outtype in GGUF_TYPES[dtype]]
+    with ExitStack() as stack:
+        engines = run_rounds([open_engine(stack, peer, source, args, prompt, threads, fallback)
+                              for peer, source, fallback in peers], args.tokens, args.runs)
+    gc.collect()
     what = f"AWQ INT4 g{AWQ_GROUP}" if dtype == "awq" else dtype
     return {"model": f"{shape} {what} (random weights)", "cpu": cpu_description(), "threads": threads, "tokens": args.tokens, "runs": args.runs,
             "load_average_1m": round(load, 2), "read_bandwidth_gb_s": round(bandwidth / 1e9, 1),

@@ -7,10 +7,10 @@ exact, sums float32.
 `vdpbf16ps acc, a, b` adds, in each of 16 float32 lanes i, a[2i] * b[2i] + a[2i + 1] * b[2i + 1]. Here the lanes
 are 16 token rows: `a` holds one depth pair of each, from the activations packed once per call into
 [rows / 16, depth / 2, 16, 2] (as the AMX kernel packs them), and `b` is one depth pair of one weight row read in
-place (w is [out, in], so a pair is one 32-bit word) and broadcast to every lane. A tile of COLS weight rows x
-TOKEN_VECS x 16 token rows keeps its sums in registers; a task is a block of output columns that every tile of
-token rows passes over, one depth block at a time (so the block's weights and activations stay in L2), adding
-into y.
+place (w is [out, in], so a pair is one 32-bit word) and broadcast to every lane. A register tile of up to
+4 x 16 token rows by up to 8 weight rows (at most 16 accumulators; 4 x 4 where the shape allows: 8 loads per 16
+dot products) keeps its sums in registers; a task is a block of output columns that every tile of token rows
+passes over, one depth block at a time (so the block's weights and activations stay in L2), adding into y.
 
 TVM's LLVM backend stores bfloat16 as 16-bit integers and computes on it in float32, so no TVM expression has
 LLVM's `<32 x bfloat>` type that the intrinsic takes. The kernel calls a small LLVM IR function instead
@@ -29,7 +29,7 @@ LANES = PAIR_ROWS  # float32 lanes of a zmm register (16): token rows per vector
 DEPTH_BLOCK_PAIRS = 512  # depth pairs per pass (1024 depth): a tile's activations and a task's weights stay in L2
 MIN_DEPTH_BLOCK_PAIRS = 128  # shorter blocks cost more in reloaded sums than L2 reuse buys
 MIN_TASKS = 8  # column blocks per product at least, to spread over the cores
-ACCUMULATORS = 16  # of the 32 zmm registers: COLS x TOKEN_VECS
+ACCUMULATORS = 16  # of the 32 zmm registers: token vectors x weight rows per register tile
 DOT = "ruda_dpbf16ps"
 
 DPBF16PS_IR = f"""
