@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -25,14 +24,7 @@ from compiler.build import build
 from runtime import CompiledModel, GreedyGenerationConfig, generate
 
 from .checkpoints import SHAPES, real_shape_checkpoint
-
-
-def cpu_name() -> str:
-    """The CPU's model name, as /proc/cpuinfo gives it."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
+from .host import cpu_name
 
 
 class PagedRequests:

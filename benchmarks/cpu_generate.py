@@ -47,6 +47,7 @@ import numpy as np
 from benchmarks.checkpoints import (SHAPES, awq_checkpoint_of, checkpoint_dtype, real_shape_checkpoint,
                                     weight_bytes_per_token)
 from benchmarks.gguf_convert import QUANT_TYPES, gguf_file, quantized_gguf
+from benchmarks.host import cpu_description
 
 DTYPES = ("bfloat16", "float32")
 GGUF_TYPES = {"float32": ("f32",), "bfloat16": ("bf16", "f16"), "float16": ("f16",), "awq": tuple(QUANT_TYPES)}
@@ -104,18 +105,6 @@ def ours_bf16(model_dir: Path, args, prompt: list[int], threads: int):
     """Ours built with --matmul-precision bfloat16 (activations rounded to bf16 in prefill products, as llama.cpp's
     BF16 path does)."""
     return ours(model_dir, args, prompt, threads, matmul_precision="bfloat16")
-
-
-def cpu_description() -> str:
-    """This machine's CPU as the kernel names it, as LLVM names it, its SIMD width and its bfloat16 product path."""
-    from compiler.target import BF16_PATH_NAMES, cpu_target
-
-    names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-             if line.startswith("model name")]
-    target = cpu_target(None, "auto")
-    path = BF16_PATH_NAMES.get(target.bf16_path, "none (float32 products only)")
-    return (f"{names[0] if names else 'unknown'} (LLVM mcpu {target.mcpu}, {target.lanes} float32 lanes, bfloat16 "
-            f"products: {path})")
 
 
 def runtime_steps(model, prompt: list[int]):

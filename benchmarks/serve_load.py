@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.batch_scaling import cpu_name
+from benchmarks.host import cpu_name
 from benchmarks.checkpoints import SHAPES, add_bpe_tokenizer, real_shape_checkpoint
 from benchmarks.gguf_convert import gguf_file, llama_server_binary
 

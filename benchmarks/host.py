@@ -1,0 +1,23 @@
+"""What machine a benchmark ran on: every speed figure names its CPU."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+
+def cpu_name() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def cpu_description() -> str:
+    """The CPU's model name, LLVM's name for it, its float32 SIMD lanes and the path of bfloat16 products on it."""
+    from compiler.target import BF16_PATH_NAMES, cpu_target
+
+    target = cpu_target(None, "auto")
+    path = BF16_PATH_NAMES.get(target.bf16_path, "none (float32 products only)")
+    return f"{cpu_name()} (LLVM mcpu {target.mcpu}, {target.lanes} float32 lanes, bfloat16 products: {path})"

@@ -1,0 +1,68 @@
+"""The end-to-end CPU benchmark's harness: engines run alternately, round by round, and a failing one is reported."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+
+import pytest
+
+from benchmarks import cpu_generate
+from benchmarks.host import cpu_description
+
+
+def engine(name: str, calls: list[str], fail_on: int | None = None):
+    """A fake peer whose prefill and decode steps log `name` (its prefill fails on call number `fail_on`)."""
+    @contextmanager
+    def peer(source, args, prompt, threads):
+        def prefill():
+            calls.append(name)
+            if fail_on is not None and calls.count(name) == fail_on:
+                raise RuntimeError(f"{name} broke")
+            return 0
+
+        yield f"{name} engine", prefill, lambda state: state
+    return peer
+
+
+def test_engines_alternate_round_by_round_and_a_failure_stops_only_its_engine(monkeypatch):
+    monkeypatch.setattr(cpu_generate, "PAUSE_S", 0)
+    calls: list[str] = []
+    with ExitStack() as stack:
+        opened = [cpu_generate.open_engine(stack, engine(name, calls, fail), "source", None, [1, 2], 1, name)
+                  for name, fail in (("a", None), ("b", 2), ("c", None))]
+        rows = cpu_generate.run_rounds(opened, tokens=4, rounds=3)
+    assert calls == ["a", "b", "c", "a", "b", "c", "a", "c"]  # alternating; b is not run after it failed
+    assert [r["engine"] for r in rows] == ["a engine", "b engine", "c engine"]
+    assert rows[1] == {"engine": "b engine", "error": "RuntimeError: b broke"}
+    assert rows[0]["prefill_tokens_per_s"] > 0 and rows[2]["decode_tokens_per_s"] > 0
+
+
+def test_an_engine_that_cannot_open_is_a_row_with_the_reason():
+    @contextmanager
+    def missing(source, args, prompt, threads):
+        raise ImportError("No module named 'llama_cpp'")
+        yield
+
+    with ExitStack() as stack:
+        rows = cpu_generate.run_rounds([
+            cpu_generate.open_engine(stack, missing, "source", None, [1], 1, "llama.cpp"),
+            cpu_generate.open_engine(stack, missing, ValueError("no GGUF"), None, [1], 1, "llama.cpp (GGUF F16)"),
+        ], tokens=2, rounds=2)
+    assert rows[0] == {"engine": "llama.cpp",
+                       "error": "not installed (No module named 'llama_cpp'); pip install -e .[test,bench]"}
+    assert rows[1] == {"engine": "llama.cpp (GGUF F16)", "error": "ValueError: no GGUF"}
+
+
+def test_the_cpu_description_names_the_simd_width_and_the_bf16_path():
+    text = cpu_description()
+    assert "LLVM mcpu" in text and "float32 lanes" in text and "bfloat16 products:" in text
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_every_engine_gets_every_round(monkeypatch, rounds):
+    monkeypatch.setattr(cpu_generate, "PAUSE_S", 0)
+    calls: list[str] = []
+    with ExitStack() as stack:
+        opened = [cpu_generate.open_engine(stack, engine(n, calls), "s", None, [1], 1, n) for n in "xy"]
+        cpu_generate.run_rounds(opened, tokens=2, rounds=rounds)
+    assert calls == ["x", "y"] * rounds
