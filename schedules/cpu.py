@@ -7,6 +7,8 @@ the few-row products, the bfloat16 GEMMs on AMX tiles or AVX512-BF16 dot product
 
 from __future__ import annotations
 
+import math
+
 import tvm.sym
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
@@ -21,6 +23,23 @@ from .vector_math import vector_math
 from .written import linear_func, packed_weight
 
 
+SERIAL_WORK = 1 << 14  # elements (times the loop each one runs) that a kernel leaves to one core
+
+
+def _parallel(sch: s_tir.Schedule, loop, work: int | None) -> None:
+    """Run `loop` across the cores, unless the kernel's whole work is known and at most SERIAL_WORK: waking the
+    thread pool and joining it costs more than that much work saves, and on a host with other load a parallel
+    kernel can wait a scheduler tick for a descheduled worker (a decode step runs a few hundred such small ops)."""
+    if work is None or work > SERIAL_WORK:
+        sch.parallel(loop)
+
+
+def _work(sch: s_tir.Schedule, loops) -> int | None:
+    """The product of the loops' static extents, or None when one is symbolic."""
+    extents = [static_extent(sch, loop) for loop in loops]
+    return None if None in extents else math.prod(extents)
+
+
 def _spatial(sch: s_tir.Schedule, block, lanes: int) -> None:
     """Fuse all loops, run chunks of them on the cores, vectorise the innermost `lanes` (unless each
     iteration runs a loop of its own: the sequential scans of the recurrent ops)."""
@@ -29,17 +48,18 @@ def _spatial(sch: s_tir.Schedule, block, lanes: int) -> None:
     simple = isinstance(sch.get(block).body, tirx.BufferStore)
     if simple and ext is not None and ext % lanes == 0 and ext > lanes:
         outer, inner = sch.split(fused, [None, lanes])
-        sch.parallel(outer)
+        _parallel(sch, outer, ext)
         sch.vectorize(inner)
     else:
-        sch.parallel(fused)
+        _parallel(sch, fused, ext if simple else None)
 
 
 def _reduction(sch: s_tir.Schedule, block) -> None:
     """Run the spatial loops of a reduction on the cores; the reduction stays serial per row."""
     spatial, _ = split_loops(sch, block)
     if spatial:
-        sch.parallel(sch.fuse(*spatial) if len(spatial) > 1 else spatial[0])
+        work = _work(sch, sch.get_loops(block))
+        _parallel(sch, sch.fuse(*spatial) if len(spatial) > 1 else spatial[0], work)
 
 
 def _generic(sch: s_tir.Schedule, lanes: int, done: tuple[str, ...] = ()) -> None:
@@ -129,6 +149,8 @@ def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
 
     # Index arithmetic is written inline: a scalar bound by assignment in a macro becomes a one-element buffer on
     # the heap (TVM 0.27), which the loop then stores and reloads every step.
+    tasks = T.parallel if m * n * k > SERIAL_WORK else T.serial  # as `_parallel` decides
+
     def row(task, t):
         """The first weight row of a task's tile t."""
         return (task * tiles + t) * cols
@@ -140,7 +162,7 @@ def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     @T.macro
     def products(xs, ws, ys, first):
         flat = T.decl_buffer((n * k,), w_buf.dtype, data=ws.data)
-        for task in T.parallel(n // rows_per_task):
+        for task in tasks(n // rows_per_task):
             sums = T.alloc_buffer((tiles, m, cols, halves, lanes), "float32")  # partial sums between depth blocks
             acc = T.alloc_buffer((group, cols, halves, lanes), "float32")  # on the stack (see cpu_attention): registers
             wide = T.alloc_buffer((cols, halves, lanes), "float32")
@@ -203,7 +225,7 @@ def _gemv(sch: s_tir.Schedule, block, lanes: int) -> None:
     sch.unroll(p_ji)
     sch.vectorize(p_ki)
     tiles = sch.fuse(p_io, p_jo)
-    sch.parallel(tiles)
+    _parallel(sch, tiles, rows * cols * depth)
     sch.reverse_compute_at(block, tiles)
     for consumer in sch.get_consumers(block):
         sch.reverse_compute_at(consumer, tiles)
@@ -292,9 +314,10 @@ def _norm(sch: s_tir.Schedule, lanes: int) -> None:
     residual sum before it across the cores."""
     block = sch.get_sblock(stages.NORM)
     row, col = sch.get_loops(block)
+    work = _work(sch, (row, col))
     if (static_extent(sch, col) or 1) % lanes == 0:
         sch.vectorize(sch.split(col, [None, lanes])[1])
-    sch.parallel(row)
+    _parallel(sch, row, work)
     for producer in reversed(sch.get_producers(block)):  # the last first: LayerNorm's variance needs its mean
         if stages.is_reduction(sch, producer):  # the row's sums: per row, right before the row is scaled
             sch.compute_at(producer, row)
