@@ -97,7 +97,7 @@ def ours(model_dir: Path, args, prompt: list[int], threads: int, matmul_precisio
     artifact = build(model_dir, out=f"{args.work}/{model_dir.name}{'.' + path if path else ''}.llvm",
                      prefill_buckets=(args.tokens,), max_context=2 * args.tokens,
                      matmul_precision=matmul_precision, quiet=True).path
-    label = f"ours (llvm artifact, bf16 prefill products on {BF16_PATH_NAMES[path]})" if path else "ours (llvm artifact)"
+    label = "ours (llvm artifact" + (f", bf16 prefill products on {BF16_PATH_NAMES[path]})" if path else ")")
     yield label, *runtime_steps(CompiledModel(model_dir, artifact), prompt)
 
 
@@ -227,7 +227,8 @@ def benchmark(shape: str, dtype: str, args) -> dict:
                               for peer, source, fallback in peers], args.tokens, args.runs)
     gc.collect()
     what = f"AWQ INT4 g{AWQ_GROUP}" if dtype == "awq" else dtype
-    return {"model": f"{shape} {what} (random weights)", "cpu": cpu_description(), "threads": threads, "tokens": args.tokens, "runs": args.runs,
+    return {"model": f"{shape} {what} (random weights)", "cpu": cpu_description(), "threads": threads,
+            "tokens": args.tokens, "runs": args.runs,
             "load_average_1m": round(load, 2), "read_bandwidth_gb_s": round(bandwidth / 1e9, 1),
             "weight_bytes_per_token": weight_bytes,
             "decode_roofline_tokens_per_s": round(bandwidth / weight_bytes, 2), "engines": engines}

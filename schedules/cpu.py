@@ -2,7 +2,8 @@
 
 The compute definitions in `compiler.kernels` fix meaning. A schedule changes their loop structure; for some
 ops and shapes a hand-written kernel of the same computation replaces the definition instead (`_written`:
-the few-row products, the bfloat16 GEMMs on AMX tiles or AVX512-BF16 dot products, paged attention), tested against the same numpy references.
+the few-row products, the bfloat16 GEMMs on AMX tiles or AVX512-BF16 dot products, paged attention), tested
+against the same numpy references.
 """
 
 from __future__ import annotations
@@ -146,11 +147,10 @@ def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     rows_per_task = tiles * cols
     line = max(1, CACHE_LINE // (step * tvm.DataType(w_buf.dtype).bits // 8))  # steps per cache line of a row
     per_line = line if block % (step * line) == 0 else 1
+    tasks = T.parallel if m * n * k > SERIAL_WORK else T.serial  # as `_parallel` decides
 
     # Index arithmetic is written inline: a scalar bound by assignment in a macro becomes a one-element buffer on
     # the heap (TVM 0.27), which the loop then stores and reloads every step.
-    tasks = T.parallel if m * n * k > SERIAL_WORK else T.serial  # as `_parallel` decides
-
     def row(task, t):
         """The first weight row of a task's tile t."""
         return (task * tiles + t) * cols
@@ -403,8 +403,8 @@ def _written(func: tirx.PrimFunc, kind: str, lanes: int, bf16_products: str | No
 
 def schedule(func: tirx.PrimFunc, kind: str, attrs: dict, target) -> tirx.PrimFunc:
     """The kernel of an op of `kind` (with the op's `attrs`) for a CPU target (`compiler.target.CpuTarget`: its
-    float32 SIMD `lanes`, and where prefill products of bfloat16 weights run in bfloat16: `bf16_products`); exp and sigmoid as
-    vectorisable arithmetic."""
+    float32 SIMD `lanes`, and where prefill products of bfloat16 weights run in bfloat16: `bf16_products`); exp and
+    sigmoid as vectorisable arithmetic."""
     lanes = target.lanes
     written = _written(func, kind, lanes, target.bf16_products, attrs)
     if written is None:

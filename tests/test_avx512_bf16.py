@@ -101,7 +101,8 @@ def test_activations_round_to_nearest_bfloat16_ties_to_even():
     x = np.zeros((16, 32), np.float32)
     x[0, :len(values)] = values
     got = run(dpbf16_gemm(linear_kernel(16, 32, 32), PORTABLE_DOT), [x, np.eye(32, dtype=ml_dtypes.bfloat16)], 16, 32)
-    np.testing.assert_array_equal(got[0, :len(values)], x[0, :len(values)].astype(ml_dtypes.bfloat16).astype(np.float32))
+    rounded = x[0, :len(values)].astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(got[0, :len(values)], rounded)
     assert got[0, 0] == 1.0 and got[0, 1] == 1 + 2 * one_ulp
 
 
