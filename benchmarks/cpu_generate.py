@@ -81,24 +81,29 @@ def one_run(prefill_fn, decode_fn, tokens: int) -> tuple[float, float]:
 
 def timed_generation(prefill_fn, decode_fn, tokens: int, runs: int) -> tuple[float, float]:
     """Median (prefill tokens/s, decode tokens/s) of `runs` runs of prefill then tokens-1 decode steps."""
-    speeds = [one_run(prefill_fn, decode_fn, tokens) for _ in range(runs)]  # each run's cache goes with the run
-    return statistics.median(p for p, _ in speeds), statistics.median(d for _, d in speeds)
+    return medians([one_run(prefill_fn, decode_fn, tokens) for _ in range(runs)])  # each run's cache goes with it
+
+
+def medians(runs: list[tuple[float, float]]) -> tuple[float, float]:
+    """The median prefill and the median decode tokens/s of several runs."""
+    return statistics.median(p for p, _ in runs), statistics.median(d for _, d in runs)
 
 
 @contextmanager
 def ours(model_dir: Path, args, prompt: list[int], threads: int, matmul_precision: str = "float32"):
     """Our runtime: (label, prefill, decode) on an artifact built for this shape and prompt length."""
     from compiler.build import build
+    from compiler.target import BF16_PATH_NAMES
     from runtime import CompiledModel
 
-    from compiler.target import BF16_PATH_NAMES, cpu_target
-
-    path = cpu_target(None, matmul_precision).bf16_products
-    artifact = build(model_dir, out=f"{args.work}/{model_dir.name}{'.' + path if path else ''}.llvm",
+    suffix = "" if matmul_precision == "float32" else f".{matmul_precision}"
+    artifact = build(model_dir, out=f"{args.work}/{model_dir.name}{suffix}.llvm",
                      prefill_buckets=(args.tokens,), max_context=2 * args.tokens,
                      matmul_precision=matmul_precision, quiet=True).path
+    model = CompiledModel(model_dir, artifact)
+    path = model.manifest.target.bf16_products  # the path the build chose for this CPU
     label = "ours (llvm artifact" + (f", bf16 prefill products on {BF16_PATH_NAMES[path]})" if path else ")")
-    yield label, *runtime_steps(CompiledModel(model_dir, artifact), prompt)
+    yield label, *runtime_steps(model, prompt)
 
 
 def ours_bf16(model_dir: Path, args, prompt: list[int], threads: int):
@@ -190,9 +195,16 @@ def run_rounds(engines: list[dict], tokens: int, rounds: int) -> list[dict]:
                 e.pop("steps")
                 e["error"] = f"{type(error).__name__}: {error}"
             time.sleep(PAUSE_S)
-    return [{"engine": e["engine"], "error": e["error"]} if "error" in e else
-            {"engine": e["engine"], "prefill_tokens_per_s": round(statistics.median(p for p, _ in e["runs"]), 1),
-             "decode_tokens_per_s": round(statistics.median(d for _, d in e["runs"]), 2)} for e in engines]
+    return [_result(e) for e in engines]
+
+
+def _result(engine: dict) -> dict:
+    """An engine's row: its median speeds, or the error that stopped it."""
+    if "error" in engine:
+        return {"engine": engine["engine"], "error": engine["error"]}
+    prefill, decode = medians(engine["runs"])
+    return {"engine": engine["engine"], "prefill_tokens_per_s": round(prefill, 1),
+            "decode_tokens_per_s": round(decode, 2)}
 
 
 def gguf_or_error(model_dir: Path, outtype: str, args) -> Path | Exception:

@@ -29,7 +29,8 @@ from pathlib import Path
 import tvm
 
 import models
-from ir.contract import CUDA_LIBRARY_FOLDERS, CUDA_RUNTIME_LIBRARY, Manifest, build_command, check_built_for, read_manifest, verify_files
+from ir.contract import (CUDA_LIBRARY_FOLDERS, CUDA_RUNTIME_LIBRARY, Manifest, build_command, check_built_for,
+                         read_manifest, verify_files)
 from ir.errors import RudaError
 
 from .cuda import cuda_toolkit_root

@@ -7,7 +7,6 @@ NaN or infinity gives a warning naming it (the model still loads: its output wil
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import warnings
 from pathlib import Path
@@ -21,12 +20,12 @@ from ir.errors import RudaWarning
 from ir.packing import awq_tile_words
 from models.checkpoint import CheckpointError, TensorEntry
 
+from .cpu import HUGE_PAGE, ask_huge_pages
+
 NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I32": np.int32}
 # The exponent bits of each dtype: all set means infinity or NaN.
 EXPONENT_MASKS = {"F32": (np.uint32, 0x7F800000), "F16": (np.uint16, 0x7C00), "BF16": (np.uint16, 0x7F80)}
 _CHUNK = 1 << 22  # elements checked at a time
-HUGE_PAGE = 2 << 20  # bytes of an x86-64 transparent huge page
-_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 def read_tensor(entry: TensorEntry, mapped: mmap.mmap) -> np.ndarray:
@@ -68,16 +67,14 @@ def load_params(entries: dict[str, TensorEntry], params: tuple[ParamSpec, ...],
 
 
 def _on_device(array: np.ndarray, device: tvm.runtime.Device) -> tvm.runtime.Tensor:
-    """A copy of `array` on `device`. On a CPU, one of several huge pages is asked to live in them (Linux grants
-    transparent huge pages to a region only when asked, in its common "madvise" mode): a decode step streams every
-    weight, and in 4 KiB pages each page costs a TLB miss (alone and alternating on AMD EPYC: the 248320 x 1024
-    vocabulary head of Qwen3.5 1.02-1.12x faster in huge pages, a 2048 x 5632 product 1.08-1.18x)."""
+    """A copy of `array` on `device`. On a CPU, an array of two huge pages or more is asked into huge pages before
+    the copy touches its memory: a decode step streams every weight, and in 4 KiB pages each page costs a TLB miss
+    (alone and alternating on AMD EPYC: the 248320 x 1024 vocabulary head of Qwen3.5 1.02-1.12x faster in huge
+    pages, a 2048 x 5632 product 1.08-1.18x)."""
     if device.dlpack_device_type() != tvm.cpu().dlpack_device_type() or array.nbytes < 2 * HUGE_PAGE:
         return tvm.runtime.tensor(array, device)
     tensor = tvm.runtime.empty(array.shape, str(array.dtype), device)  # fresh pages, not yet touched
-    start = -(-tensor.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-    end = (tensor.data_ptr() + array.nbytes) // HUGE_PAGE * HUGE_PAGE
-    _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_HUGEPAGE)  # refused: 4 KiB pages
+    ask_huge_pages(tensor.data_ptr(), array.nbytes)
     tensor.copyfrom(array)
     return tensor
 

@@ -73,6 +73,15 @@ def dpbf16_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.PrimFunc
 
     half = cols // 2
 
+    # Tile offsets as functions, not names bound in the macro (TVM 0.27 would make those heap buffers).
+    def row(tv):
+        """The first token row of token tile tv."""
+        return tv * vecs * LANES
+
+    def col(task, ct, h):
+        """The first weight row of half h of a task's register tile ct."""
+        return task * task_cols + ct * cols + h * half
+
     @T.macro
     def start(acc, y, first, kb, row, col):
         for c, v in T.grid(half, vecs):
@@ -106,12 +115,12 @@ def dpbf16_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.PrimFunc
                 acc0 = T.alloc_buffer((half, vecs, LANES), "float32")
                 acc1 = T.alloc_buffer((half, vecs, LANES), "float32")
                 for kb, tv, ct in T.grid(pairs // block, m // LANES // vecs, task_cols // cols):
-                    start(acc0, y, first, kb, tv * vecs * LANES, task * task_cols + ct * cols)
-                    start(acc1, y, first, kb, tv * vecs * LANES, task * task_cols + ct * cols + half)
+                    start(acc0, y, first, kb, row(tv), col(task, ct, 0))
+                    start(acc1, y, first, kb, row(tv), col(task, ct, 1))
                     for d in range(block):
-                        dots(acc0, xw, ww, tv, task * task_cols + ct * cols, kb * block + d)
-                        dots(acc1, xw, ww, tv, task * task_cols + ct * cols + half, kb * block + d)
-                    finish(acc0, y, tv * vecs * LANES, task * task_cols + ct * cols)
-                    finish(acc1, y, tv * vecs * LANES, task * task_cols + ct * cols + half)
+                        dots(acc0, xw, ww, tv, col(task, ct, 0), kb * block + d)
+                        dots(acc1, xw, ww, tv, col(task, ct, 1), kb * block + d)
+                    finish(acc0, y, row(tv), col(task, ct, 0))
+                    finish(acc1, y, row(tv), col(task, ct, 1))
 
     return linear_func(func, products)

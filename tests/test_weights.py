@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import tvm
 
-from runtime.weights import HUGE_PAGE, _on_device
+from runtime.cpu import HUGE_PAGE
+from runtime.weights import _on_device
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
