@@ -58,7 +58,8 @@ class CpuTarget:
 
     def tvm_target(self) -> tvm.target.Target:
         """The TVM target object."""
-        return tvm.target.Target({"kind": "llvm", "mtriple": TRIPLE, "mcpu": self.mcpu})
+        return tvm.target.Target({"kind": "llvm", "mtriple": TRIPLE, "mcpu": self.mcpu,
+                                  "mattr": [f"+{f}" for f in self.features]})
 
     def describe(self) -> TargetSpec:
         """The target as the manifest records it."""
@@ -89,7 +90,9 @@ def cpu_target(mcpu: str | None = None, matmul_precision: str = "float32") -> Cp
         if missing:
             raise TargetError(f"LLVM names this CPU {name!r}, but it lacks {sorted(missing)}; pass --mcpu with a CPU "
                               "model this machine fully supports (e.g. x86-64-v3)")
-        offered = {f for f in offered if CHECKED_FEATURES[f] in flags}  # AMX that the host turned off: no AMX path
+        # The host's own features, not only those its LLVM name implies: AMX that the host turned off gives no AMX
+        # path, and a virtual CPU whose model number LLVM reads as an older CPU keeps the features it really has.
+        offered = {f for f, flag in CHECKED_FEATURES.items() if flag in flags}
     path = next((p for p, needs in BF16_PATHS.items() if offered.issuperset(needs)), None)
     if matmul_precision == "bfloat16" and path is None:
         raise TargetError(f"--matmul-precision bfloat16 runs on AMX tiles or AVX512-BF16 dot products, and CPU "

@@ -100,6 +100,6 @@ def test_whole_model_with_amx_prefill_tracks_transformers(tmp_path, monkeypatch)
 
     def refuse():
         raise OSError(1, "Linux refused this process AMX tile state (test)")
-    monkeypatch.setattr("runtime.engine.enable_amx", refuse)
+    monkeypatch.setattr("runtime.artifact.enable_amx", refuse)
     with pytest.raises(ArtifactError, match="runs its prefill products on AMX tiles, but Linux refused.*rebuild without"):
         CompiledModel(model_dir, artifact)

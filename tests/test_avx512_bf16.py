@@ -29,7 +29,7 @@ from schedules.avx512_bf16 import DOT, dpbf16_gemm
 
 HAS_AVX512_BF16 = {"avx512f", "avx512_bf16"} <= host_cpu_flags()
 needs_avx512_bf16 = pytest.mark.skipif(not HAS_AVX512_BF16, reason="this CPU has no AVX512-BF16 dot products")
-HOST = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": cpu_target().mcpu})
+HOST = cpu_target().tvm_target()
 RNG = np.random.default_rng(19)
 
 PORTABLE_DOT = f"""
@@ -161,6 +161,11 @@ def test_matmul_precision_errors_name_the_fix():
         make_target("cuda", matmul_precision="auto")
 
 
+def ours_path(artifact) -> str | None:
+    """The bfloat16 product path an artifact's manifest records."""
+    return json.loads((artifact / "manifest.json").read_text())["target"]["bf16_products"]
+
+
 def test_whole_model_build_records_the_path_and_a_host_without_it_is_told_to_rebuild(tmp_path):
     model_dir = write_tiny_checkpoint(tmp_path / "model", arch="qwen2", dtype="bfloat16", seed=4)
     artifact = build(model_dir, out=tmp_path / "zen5", prefill_buckets=(32,), max_context=64, mcpu="znver5",
@@ -184,10 +189,11 @@ def test_whole_model_with_dot_product_prefill_tracks_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     model_dir = write_tiny_checkpoint(tmp_path / "model", arch="qwen2", dtype="bfloat16", seed=4)
     target = cpu_target(None, "bfloat16")
-    if target.bf16_products != "avx512bf16":
-        pytest.skip("this CPU runs bfloat16 products on AMX tiles (tests/test_amx.py)")
-    artifact = build(model_dir, out=tmp_path / "dot", prefill_buckets=(32,), max_context=64, mcpu=target.mcpu,
+    # An AMX host builds for Cooper Lake (AVX512-BF16, no AMX; all its features are an AMX Xeon's too) to get this path.
+    mcpu = target.mcpu if target.bf16_products == "avx512bf16" else "cooperlake"
+    artifact = build(model_dir, out=tmp_path / "dot", prefill_buckets=(32,), max_context=64, mcpu=mcpu,
                      matmul_precision="bfloat16", quiet=True).path
+    assert ours_path(artifact) == "avx512bf16"
     ours = CompiledModel(model_dir, artifact)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompt = [int(t) for t in RNG.integers(0, ours.config.vocab_size, 24)]
@@ -197,3 +203,22 @@ def test_whole_model_with_dot_product_prefill_tracks_transformers(tmp_path):
     error = np.abs(got - want).max() / np.abs(want).max()
     assert 1e-4 < error < 2e-2  # bfloat16 activations in the products: off float32 by their rounding, no more
     assert int(np.argmax(got)) == int(np.argmax(want))
+
+
+SAPPHIRE_RAPIDS_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16",
+                         "amx_tile", "amx_bf16"}
+
+
+@pytest.mark.parametrize("flags,path", [(SAPPHIRE_RAPIDS_FLAGS, "amx"),
+                                        (SAPPHIRE_RAPIDS_FLAGS - {"amx_tile", "amx_bf16"}, "avx512bf16")])
+def test_the_host_keeps_the_features_its_flags_show_when_llvm_names_it_an_older_cpu(monkeypatch, flags, path):
+    # A virtual Sapphire Rapids whose model number LLVM reads as Rocket Lake (seen on a cloud host): the flags, not
+    # the name, say what it has, and the TVM target passes them on so the products compile to their instructions.
+    monkeypatch.setattr("compiler.target.codegen.llvm_get_system_cpu", lambda: "rocketlake")
+    monkeypatch.setattr("compiler.target.host_cpu_flags", lambda: flags)
+    target = cpu_target(None, "bfloat16")
+    assert target.mcpu == "rocketlake" and target.bf16_products == path and "avx512bf16" in target.features
+    assert "+avx512bf16" in target.tvm_target().attrs["mattr"]
+    asm = tvm.compile(cpu.schedule(linear_kernel(64, 896, 128), "linear", {}, target),
+                      target.tvm_target()).mod.inspect_source("asm")
+    assert ("tdpbf16ps" if path == "amx" else "vdpbf16ps") in asm
