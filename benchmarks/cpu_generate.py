@@ -13,6 +13,7 @@ pause after each run lets that engine's threads stop spinning):
 
 - ours: the compiled artifact through CompiledModel; for bfloat16 also one built with --matmul-precision bfloat16
   (prefill products on AMX tiles, else AVX512-BF16 dot products; a row with the reason where this CPU has neither);
+  `--mcpu cooperlake` on an AMX Xeon builds for a CPU without AMX, so that the AVX512-BF16 path is timed there;
 - transformers (torch CPU, the checkpoint's dtype);
 - llama.cpp through llama-cpp-python, on the checkpoint converted to GGUF by the converter from
   llama-cpp-python's sdist (F32 for float32; BF16 and F16 for bfloat16; F16 for float16).
@@ -96,9 +97,9 @@ def ours(model_dir: Path, args, prompt: list[int], threads: int, matmul_precisio
     from compiler.target import BF16_PATH_NAMES
     from runtime import CompiledModel
 
-    suffix = "" if matmul_precision == "float32" else f".{matmul_precision}"
+    suffix = ("" if matmul_precision == "float32" else f".{matmul_precision}") + (f".{args.mcpu}" if args.mcpu else "")
     artifact = build(model_dir, out=f"{args.work}/{model_dir.name}{suffix}.llvm",
-                     prefill_buckets=(args.tokens,), max_context=2 * args.tokens,
+                     prefill_buckets=(args.tokens,), max_context=2 * args.tokens, mcpu=args.mcpu,
                      matmul_precision=matmul_precision, quiet=True).path
     model = CompiledModel(model_dir, artifact)
     path = model.manifest.target.bf16_products  # the path the build chose for this CPU
@@ -295,6 +296,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128, help="prompt tokens and decode steps (default 128)")
     parser.add_argument("--runs", type=int, default=3, help="runs per engine; medians are reported (default 3)")
     parser.add_argument("--work", required=True, help="directory for checkpoints, artifacts and GGUF files (reused)")
+    parser.add_argument("--mcpu", help="build ours for this LLVM CPU (default: this machine's), e.g. cooperlake on an "
+                        "AMX Xeon to time the AVX512-BF16 path there")
     parser.add_argument("--llama-cpp-src", help="unpacked llama-cpp-python sdist or llama.cpp tree with "
                         "convert_hf_to_gguf.py (default: pip download the installed version's sdist into --work)")
     args = parser.parse_args()
