@@ -4,7 +4,8 @@
 
 The checkpoint is a random-weight one at a real shape (benchmarks/checkpoints.py) with a tokenizer whose
 vocabulary covers every id. Ours: built for llvm with steps of up to the most clients (`--batch-rows
-1,4,16,64`), served by `python -m runtime.serve` with as many active sequences. llama.cpp: its own server,
+1,4,16,64`, `--matmul-precision` as given: float32 by default), served by `python -m runtime.serve` with as
+many active sequences. llama.cpp: its own server,
 built from the vendored llama.cpp of llama-cpp-python's sdist (benchmarks/gguf_convert.py), on the checkpoint's
 GGUF of the same dtype (BF16 for bfloat16, F16 for float16), restarted for each level with `--parallel` set to
 that level's client count (continuous batching, its default) and a context of that many sequences.
@@ -34,6 +35,7 @@ import numpy as np
 from benchmarks.host import cpu_name
 from benchmarks.checkpoints import SHAPES, add_bpe_tokenizer, real_shape_checkpoint
 from benchmarks.gguf_convert import gguf_file, llama_server_binary
+from compiler.options import MATMUL_PRECISIONS
 
 GGUF_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,9 +129,10 @@ def ours(model_dir: Path, levels: list[int], args) -> list[dict]:
     """Our server at every level (built once for the largest)."""
     from compiler.build import build
 
-    artifact = build(model_dir, out=args.work / f"{model_dir.name}.serve.llvm", max_context=args.context,
+    precision = "" if args.matmul_precision == "float32" else f".{args.matmul_precision}"
+    artifact = build(model_dir, out=args.work / f"{model_dir.name}.serve{precision}.llvm", max_context=args.context,
                      batch_rows=tuple(sorted({1, *levels})), prefill_buckets=tuple(sorted({16, 64, 256, *levels})),
-                     quiet=True).path
+                     matmul_precision=args.matmul_precision, quiet=True).path
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     server = Server([sys.executable, "-m", "runtime.serve", str(model_dir), "--artifact", str(artifact),
@@ -200,6 +203,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True, help="directory for checkpoints, builds, logs")
     parser.add_argument("--llama-cpp-src", help="an unpacked llama-cpp-python sdist or llama.cpp tree")
     parser.add_argument("--skip", choices=("ours", "llama.cpp"), help="run only the other server")
+    parser.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="float32",
+                        help="our build's prefill products (auto: bfloat16 on AMX / AVX512-BF16 for a bf16 checkpoint, "
+                        "as llama.cpp's BF16 GGUF rounds its activations)")
     parser.add_argument("--max-batch-tokens", type=int, help="our server's token budget per step (default: its own)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -216,7 +222,7 @@ def main() -> None:
             print(json.dumps(rows[-len(levels):]), flush=True)
     print(f"\nCPU: {cpu_name()}, {len(os.sched_getaffinity(0))} cores; shape "
           f"{args.shape} {args.dtype}; {args.requests} requests per client, {args.prompt_tokens} prompt + {args.tokens} "
-          f"new tokens each, greedy, EOS ignored\n")
+          f"new tokens each, greedy, EOS ignored; ours built with --matmul-precision {args.matmul_precision}\n")
     print(table(rows, levels))
 
 

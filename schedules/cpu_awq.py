@@ -20,18 +20,24 @@ from ir.packing import AWQ_PACK, awq_column
 
 from .written import packed_linear_func
 
-PREFETCH_ROWS = 16  # input rows ahead the first pass over a tile asks for (into L2)
+PREFETCH_ROWS = 64  # input rows ahead the first pass over a tile asks for (into L2): 4 KiB, a page
 
 
-def _nibble(word, slot):
-    """Nibble `slot` of int32 words as float32 (the slot loops are unrolled: the shifts are constants)."""
+def _nibble(word, slot, masked: bool = False):
+    """Nibble `slot` of int32 words as float32 (the slot loops are unrolled: shifts and masks are constants):
+    shifted down and masked, or (`masked`) masked where it lies, as unsigned, so 16 ** slot times its value: one
+    integer op instead of two, and exact (four significant bits)."""
+    if masked:
+        return T.Cast("float32", T.bitwise_and(T.reinterpret("uint32", word), T.shift_left(T.uint32(15), 4 * slot)))
     return T.Cast("float32", T.bitwise_and(T.shift_right(word, 4 * slot), 15))
 
 
-def _group_sum(acc, xsum, qz, sc, g, word, slot):
+def _group_sum(acc, xsum, qz, sc, g, word, slot, masked: bool):
     """A group's sum of x * (q - z) * s for the column of `word` in nibble `slot`, from its sum of x * q (`acc`,
-    scaled as `_nibble` scales) and of x (`xsum`)."""
+    scaled as `_nibble(..., masked)` scales it: by 16 ** slot when masked, undone here exactly) and of x (`xsum`)."""
     zero = _nibble(qz[g, word], slot)
+    if masked:
+        acc = acc * T.reinterpret("float32", T.shift_left(127 - 4 * slot, 23))  # 2 ** -(4 * slot)
     return T.Cast("float32", sc[g, word * AWQ_PACK + awq_column(slot)]) * (acc - xsum * zero)
 
 
@@ -54,6 +60,8 @@ def awq_linear(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
         return None
     vecs = strip // lanes
     rows, slots, tile_vecs = _tile(m, vecs, 16 if lanes >= 16 else 8)
+    masked = lanes >= 16  # AVX-512: eight mask constants fit beside the accumulators in 32 registers (AVX2: 16),
+    # and it converts unsigned words to float32 in one instruction
 
     @T.macro
     def products(xs, qw, qz, sc, ys, first):
@@ -85,7 +93,7 @@ def awq_linear(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
                                         for lane in T.vectorized(lanes):
                                             acc[r, s, v, lane] = acc[r, s, v, lane] + xs[rt * rows + r, g * group + i] \
                                                 * _nibble(qw[task, g * group + i, (vt * tile_vecs + v) * lanes + lane],
-                                                          st * slots + s)
+                                                          st * slots + s, masked)
                         for r in T.unroll(rows):
                             for s in T.unroll(slots):
                                 for v in T.unroll(tile_vecs):
@@ -93,7 +101,8 @@ def awq_linear(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
                                         sums[rt * rows + r, st * slots + s, vt * tile_vecs + v, lane] = sums[
                                             rt * rows + r, st * slots + s, vt * tile_vecs + v, lane] + _group_sum(
                                             acc[r, s, v, lane], xsum[rt * rows + r], qz, sc, g,
-                                            task * strip + (vt * tile_vecs + v) * lanes + lane, st * slots + s)
+                                            task * strip + (vt * tile_vecs + v) * lanes + lane, st * slots + s,
+                                            masked)
             for r, s, v, lane in T.grid(m, AWQ_PACK, vecs, lanes):
                 ys[r, (task * strip + v * lanes + lane) * AWQ_PACK + awq_column(s)] = \
                     first((task * strip + v * lanes + lane) * AWQ_PACK + awq_column(s)) + sums[r, s, v, lane]
