@@ -137,7 +137,9 @@ def ours(model_dir: Path, levels: list[int], args) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     server = Server([sys.executable, "-m", "runtime.serve", str(model_dir), "--artifact", str(artifact),
                      "--port", str(port), "--max-active-sequences", str(max(levels)), "--max-queue", "4096"]
-                    + (["--max-batch-tokens", str(args.max_batch_tokens)] if args.max_batch_tokens else []),
+                    + (["--max-batch-tokens", str(args.max_batch_tokens)] if args.max_batch_tokens else [])
+                    + (["--max-decoding-batch-tokens", str(args.max_decoding_batch_tokens)]
+                       if args.max_decoding_batch_tokens else []),
                     port, args.work / "ours-server.log", env)
     try:
         return [{"server": "ours", **asyncio.run(load(server.url, model_dir.name, n, args.requests,
@@ -207,6 +209,8 @@ def main() -> None:
                         help="our build's prefill products (auto: bfloat16 on AMX / AVX512-BF16 for a bf16 checkpoint, "
                         "as llama.cpp's BF16 GGUF rounds its activations)")
     parser.add_argument("--max-batch-tokens", type=int, help="our server's token budget per step (default: its own)")
+    parser.add_argument("--max-decoding-batch-tokens", type=int,
+                        help="our server's budget for steps with decodes in them (default: its own)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     levels = sorted({int(n) for n in args.clients.split(",")})

@@ -54,9 +54,12 @@ def _token_ids(values, name: str) -> list[int]:
 
 
 def _validate_positive_ints(config) -> None:
-    """Every field of the config is an int > 0 (stored as a plain int), else a SchedulerError naming it."""
+    """Every field of the config is an int > 0 (stored as a plain int), or None where None is its default, else a
+    SchedulerError naming it."""
     for f in fields(config):
         value = getattr(config, f.name)
+        if value is None and f.default is None:
+            continue
         if not _is_int(value) or value <= 0:
             raise SchedulerError(f"{type(config).__name__}.{f.name} must be an integer > 0, got {value!r}")
         object.__setattr__(config, f.name, int(value))
@@ -64,10 +67,13 @@ def _validate_positive_ints(config) -> None:
 
 @dataclass(frozen=True)
 class ContinuousBatchConfig:
-    """At most max_active_sequences admitted requests; at most max_batch_tokens row tokens per batch."""
+    """At most max_active_sequences admitted requests; at most max_batch_tokens row tokens per batch, and at most
+    max_decoding_batch_tokens (when set) in a batch that carries decode rows, so that prefill chunks stall the
+    decoding sequences for a bounded time (never fewer than the decode rows: every decode keeps its row)."""
 
     max_active_sequences: int
     max_batch_tokens: int
+    max_decoding_batch_tokens: int | None = None
 
     def __post_init__(self):
         _validate_positive_ints(self)
@@ -329,13 +335,14 @@ class _Outstanding:
 class ContinuousBatchScheduler:
     """Continuous batching over a paged KV pool.
 
-    Policy (vLLM v1's): every batch fills one token budget, max_batch_tokens. First each running, fully prefilled
-    sequence gets its decode row (admission order), then partially prefilled sequences continue (admission order),
-    then waiting requests are admitted in FIFO order while fewer than max_active_sequences run. A prefill row takes
-    as many of its remaining tokens as the budget and the pages allow, so a long prompt is prefilled in chunks
-    across batches while the others keep decoding beside it. When a running sequence needs a page and none is
-    available, the latest-admitted running sequence not yet in the batch is preempted (possibly the one asking):
-    its pages are released and it goes back to the front of the waiting queue with its generated tokens, to be
+    Policy (vLLM v1's): every batch fills one token budget, max_batch_tokens, or max_decoding_batch_tokens when some
+    sequence is decoding (its decode rows count towards it but are never cut by it). First each running, fully
+    prefilled sequence gets its decode row (admission order), then partially prefilled sequences continue (admission
+    order), then waiting requests are admitted in FIFO order while fewer than max_active_sequences run. A prefill
+    row takes as many of its remaining tokens as the budget and the pages allow, so a long prompt is prefilled in
+    chunks across batches while the others keep decoding beside it. When a running sequence needs a page and none is
+    available, the latest-admitted running sequence not yet in the batch is preempted (possibly the one asking): its
+    pages are released and it goes back to the front of the waiting queue with its generated tokens, to be
     recomputed (prompt + generated, in chunks) later. New admissions never preempt; they wait for pages. No request
     is dropped: one that could not fit in the pool alone is rejected at submit.
 
@@ -577,8 +584,8 @@ class ContinuousBatchScheduler:
     def _draft(self, preempted: list[_Request]) -> _Draft:
         """Build a batch under the token budget; it may preempt sequences (appended to `preempted`) and may come out
         empty."""
-        draft = _Draft(self._batch_config.max_batch_tokens)
         running = list(self._running)
+        draft = _Draft(self._budget(sum(r.prefilled for r in running)))
         for request in [r for r in running if r.prefilled] + [r for r in running if not r.prefilled]:
             if draft.budget == 0:
                 break
@@ -586,6 +593,13 @@ class ContinuousBatchScheduler:
                 self._place(draft, request, preempted)
         self._admit_waiting(draft)
         return draft
+
+    def _budget(self, decoding: int) -> int:
+        """Row tokens a batch with `decoding` decode rows may hold."""
+        config = self._batch_config
+        if not decoding or config.max_decoding_batch_tokens is None:
+            return config.max_batch_tokens
+        return min(config.max_batch_tokens, max(config.max_decoding_batch_tokens, decoding))
 
     def _admit_waiting(self, draft: _Draft) -> None:
         """Admit waiting requests in FIFO order while slots, token budget and pages allow."""

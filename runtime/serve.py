@@ -1,8 +1,8 @@
 """`python -m runtime.serve MODEL_DIR`: an OpenAI-compatible HTTP server over the continuous batch executor.
 
     python -m runtime.serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [--artifact PATH] [--device cpu|cuda]
-                            [--max-active-sequences N] [--max-batch-tokens N] [--max-queue N]
-                            [--request-timeout S] [--api-key KEY] [--shutdown-grace S]
+                            [--max-active-sequences N] [--max-batch-tokens N] [--max-decoding-batch-tokens N]
+                            [--max-queue N] [--request-timeout S] [--api-key KEY] [--shutdown-grace S]
 
 Serves /v1/models, /v1/completions and /v1/chat/completions (JSON, or server-sent events with "stream": true),
 /health and /metrics (Prometheus). It builds nothing: the artifact must exist (built with --batch-rows at
@@ -36,8 +36,11 @@ def main(argv: list[str]) -> int:
                         help="requests batched at once (default: the artifact's largest --batch-rows)")
     parser.add_argument("--max-batch-tokens", type=positive_int("--max-batch-tokens"),
                         help="tokens one step may hold (decodes and prefill chunks; default: the artifact's largest "
-                             "--prefill-buckets): smaller steps keep inter-token latency even, larger ones admit new "
-                             "prompts sooner")
+                             "--prefill-buckets); steps with decodes in them hold at most --max-decoding-batch-tokens")
+    parser.add_argument("--max-decoding-batch-tokens", type=positive_int("--max-decoding-batch-tokens"),
+                        help="tokens a step may hold while sequences are decoding (their decodes, then prefill "
+                             "chunks; default 64, at most --max-batch-tokens): bounds how long a new prompt delays "
+                             "the running streams' next tokens")
     parser.add_argument("--max-queue", type=positive_int("--max-queue"), default=256,
                         help="requests that may wait for a place in the batch; more are answered 429 (default 256)")
     parser.add_argument("--request-timeout", type=float, help="seconds a request may take before it is stopped "
@@ -56,7 +59,8 @@ def main(argv: list[str]) -> int:
     except ImportError:
         raise UsageError("the server needs the serve extra: pip install -e .[serve]") from None
     server = make_server(args.model_dir, args.artifact, args.device, args.max_active_sequences, args.max_queue,
-                         args.request_timeout, args.api_key, args.shutdown_grace, args.max_batch_tokens)
+                         args.request_timeout, args.api_key, args.shutdown_grace, args.max_batch_tokens,
+                         args.max_decoding_batch_tokens)
     print(f"serving {server.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     for stop in (signal.SIGINT, signal.SIGTERM):  # uvicorn handles them while it runs and raises them again after
         signal.signal(stop, signal.SIG_IGN)  # its graceful stop: ignored then, so a stopped server exits 0
@@ -67,7 +71,8 @@ def main(argv: list[str]) -> int:
 
 def make_server(model_dir, artifact=None, device: str = "cpu", max_active_sequences: int | None = None,
                 max_queue: int = 256, request_timeout: float | None = None, api_key: str | None = None,
-                shutdown_grace: float = 30.0, max_batch_tokens: int | None = None):
+                shutdown_grace: float = 30.0, max_batch_tokens: int | None = None,
+                max_decoding_batch_tokens: int | None = None):
     """The OpenAIServer for a built model (its app stops the engine loop when the ASGI server shuts down)."""
     from .engine import GenerationError
     from .openai_api import OpenAIServer
@@ -80,7 +85,7 @@ def make_server(model_dir, artifact=None, device: str = "cpu", max_active_sequen
     if active > rows:
         raise GenerationError(f"--max-active-sequences {active} exceeds the artifact's largest --batch-rows {rows}; "
                               f"rebuild with --batch-rows 1,...,{active} or serve fewer at once")
-    engine = ServingEngine(pipeline, active, max_queue, max_batch_tokens)
+    engine = ServingEngine(pipeline, active, max_queue, max_batch_tokens, max_decoding_batch_tokens)
     server = OpenAIServer(engine, Path(model_dir).resolve().name, api_key, request_timeout)
 
     @asynccontextmanager

@@ -173,8 +173,8 @@ class Executor:
         self.scheduler.reset_cache()
 
 
-def make(max_active=4, max_tokens=16, block_size=4, num_pages=32, max_len=64, default_eos=()):
-    batch = ContinuousBatchConfig(max_active, max_tokens)
+def make(max_active=4, max_tokens=16, block_size=4, num_pages=32, max_len=64, default_eos=(), decoding_tokens=None):
+    batch = ContinuousBatchConfig(max_active, max_tokens, decoding_tokens)
     kv = PagedKvCacheConfig(block_size, num_pages, max_len)
     scheduler = ContinuousBatchScheduler(batch, kv, default_eos)
     return scheduler, Executor(scheduler, kv, batch)
@@ -192,9 +192,12 @@ def state(scheduler):
 
 # --- configuration and submit validation ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["max_active_sequences", "max_batch_tokens"])
+@pytest.mark.parametrize("name", ["max_active_sequences", "max_batch_tokens", "max_decoding_batch_tokens"])
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2", None])
 def test_batch_config_rejects_each_field(name, bad):
+    if bad is None and name == "max_decoding_batch_tokens":
+        assert ContinuousBatchConfig(2, 8, None).max_decoding_batch_tokens is None  # optional: no decoding budget
+        return
     values = {"max_active_sequences": 2, "max_batch_tokens": 8, name: bad}
     with pytest.raises(SchedulerError, match=name):
         ContinuousBatchConfig(**values)
@@ -373,6 +376,39 @@ def test_long_prompt_is_chunked_beside_running_decodes():
     assert all(b.kind is BatchKind.PREFILL and b.sequences[0].request_id == short for b in chunks)
     assert all(sum(len(row.token_ids) for row in b.sequences) <= 4 for b in batches)
     assert scheduler.stats.mixed_batches == len(chunks) + 1
+    executor.check_solo()
+
+
+def test_batches_with_decodes_in_them_keep_to_the_decoding_budget():
+    """A prompt with nothing decoding beside it fills the whole budget; one admitted beside a running decode is
+    prefilled in chunks that keep each batch to max_decoding_batch_tokens."""
+    scheduler, executor = make(max_tokens=16, max_active=4, decoding_tokens=4)
+    first = executor.submit(list(range(1, 13)), greedy(max_new_tokens=30))
+    batch = scheduler.schedule()
+    assert [len(row.token_ids) for row in batch.sequences] == [12]  # nothing decodes yet: up to 16 tokens
+    executor.complete(batch)
+    long = executor.submit(list(range(20)), greedy(max_new_tokens=2))
+    batches = []
+    while long not in executor.finished:
+        batches.append(batch := scheduler.schedule())
+        executor.complete(batch)
+    assert all(batch.sequences[0].request_id == first and len(batch.sequences[0].token_ids) == 1 for batch in batches)
+    assert [len(b.sequences[1].token_ids) for b in batches if len(b.sequences) > 1] == [3] * 6 + [2] + [1]
+    assert all(sum(len(row.token_ids) for row in b.sequences) <= 4 for b in batches)
+    executor.drain()
+    executor.check_solo()
+
+
+def test_the_decoding_budget_never_cuts_decode_rows():
+    scheduler, executor = make(max_tokens=16, max_active=4, decoding_tokens=2)
+    decoding = [executor.submit([i + 1, i + 2], greedy(max_new_tokens=6)) for i in range(3)]
+    executor.complete(scheduler.schedule())  # the three prompts: 6 tokens, nothing decoding yet
+    waiting = executor.submit([7, 8, 9], greedy(max_new_tokens=2))
+    batch = scheduler.schedule()
+    assert [row.request_id for row in batch.sequences] == decoding  # three decodes over a budget of 2, no prefill
+    executor.complete(batch)
+    executor.drain()
+    assert waiting in executor.finished
     executor.check_solo()
 
 
@@ -743,9 +779,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     """Random submit / schedule / complete / fail / pop sequences, with invariants after every step."""
 
     @initialize(max_active=st.integers(1, 4), max_tokens=st.integers(1, 10), block_size=st.integers(1, 4),
-                num_pages=st.integers(1, 8), max_len=st.integers(2, 16), default_eos=st.sampled_from([(), (5,)]))
-    def setup(self, max_active, max_tokens, block_size, num_pages, max_len, default_eos):
-        self.scheduler, self.executor = make(max_active, max_tokens, block_size, num_pages, max_len, default_eos)
+                num_pages=st.integers(1, 8), max_len=st.integers(2, 16), default_eos=st.sampled_from([(), (5,)]),
+                decoding_tokens=st.sampled_from([None, 1, 3]))
+    def setup(self, max_active, max_tokens, block_size, num_pages, max_len, default_eos, decoding_tokens):
+        self.scheduler, self.executor = make(max_active, max_tokens, block_size, num_pages, max_len, default_eos,
+                                             decoding_tokens)
         self.kv = self.executor.kv
         self.default_eos = default_eos
         self.batch = None

@@ -330,7 +330,7 @@ def test_serve_cli_builds_nothing(tmp_path):
 
 
 def test_a_request_past_the_timeout_is_stopped_with_504(built):
-    server = LiveServer(*built, request_timeout=0.05)
+    server = LiveServer(*built, request_timeout=0.005)  # 100 tokens take 30 ms on a fast host: 6x that
     try:
         response = httpx.post(server.url + "/v1/completions", json={
             "model": server.model, "prompt": "slow", "max_tokens": 100, "temperature": 0}, timeout=60)
