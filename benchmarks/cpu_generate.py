@@ -25,7 +25,8 @@ stores (packed words, zeros, f16 scales, the f16 embeddings and lm_head).
 
 Each does one prefill of the N-token prompt (token ids, no tokenizer) and N-1 single-token decode
 steps fed the greedy argmax (no EOS), --runs times; the medians are reported. A peer that is not
-installed or fails to convert or run is a table row with the reason. Prints one JSON line per shape
+installed or fails to convert or run is a table row with the reason (llama.cpp first runs one batch of each GGUF in
+a child process, so a crash of its own is such a row, not the end of the benchmark). Prints one JSON line per shape
 and dtype, then a Markdown table with the ratios us/peer and us/decode roofline (read bandwidth /
 weight bytes read per token). transformers is in the `test` extra; llama-cpp-python and the
 converter's needs are in the `bench` extra (pip install -e .[test,bench]).
@@ -37,7 +38,10 @@ import argparse
 import gc
 import json
 import os
+import signal
 import statistics
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -214,10 +218,40 @@ def gguf_or_error(model_dir: Path, outtype: str, args) -> Path | Exception:
         import llama_cpp  # noqa: F401  (no point converting for a peer that cannot run)
 
         if outtype in QUANT_TYPES:
-            return quantized_gguf(model_dir, outtype, Path(args.work), args.llama_cpp_src)
-        return gguf_file(model_dir, outtype, Path(args.work), args.llama_cpp_src)
+            gguf = quantized_gguf(model_dir, outtype, Path(args.work), args.llama_cpp_src)
+        else:
+            gguf = gguf_file(model_dir, outtype, Path(args.work), args.llama_cpp_src)
+        return survives_a_run(gguf, args.tokens)
     except Exception as e:  # noqa: BLE001  (reported in the peer's row)
         return e
+
+
+# One prompt-sized batch and one decode step of llama.cpp on a GGUF, in a child process (argv: GGUF, tokens, threads).
+_PROBE = """
+import sys, llama_cpp
+path, tokens, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+llm = llama_cpp.Llama(path, n_ctx=2 * tokens, n_batch=tokens, n_ubatch=tokens, n_threads=threads,
+                      n_threads_batch=threads, flash_attn=True, verbose=False)
+llm.eval(list(range(1, tokens + 1)))
+llm.eval([1])
+"""
+
+
+class PeerCrash(RuntimeError):
+    """llama.cpp died on a GGUF in the probe process."""
+
+
+def survives_a_run(gguf: Path, tokens: int) -> Path:
+    """`gguf`, once llama.cpp has run a prompt-sized batch and a decode step on it in a child process: a peer that
+    dies there (seen: llama.cpp's AMX path for Q4_0 on a Xeon, SIGSEGV) becomes a row with the reason instead of
+    killing this process and every figure in it."""
+    threads = str(len(os.sched_getaffinity(0)))
+    done = subprocess.run([sys.executable, "-c", _PROBE, str(gguf), str(tokens), threads], capture_output=True,
+                          text=True, check=False)
+    if done.returncode != 0:
+        how = f"signal {signal.Signals(-done.returncode).name}" if done.returncode < 0 else f"exit {done.returncode}"
+        raise PeerCrash(f"llama.cpp died ({how}) running a {tokens}-token batch on {gguf.name} in a probe process")
+    return gguf
 
 
 def benchmark(shape: str, dtype: str, args) -> dict:
