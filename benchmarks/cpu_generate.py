@@ -151,13 +151,18 @@ def transformers_peer(model_dir: Path, args, prompt: list[int], threads: int):
     yield label, lambda: step(ids), lambda state: step(state[1], state[0])
 
 
+def llama_options(tokens: int, threads: int) -> dict:
+    """llama.cpp's context options for a prompt of `tokens` in one batch and as many decode steps, on `threads`."""
+    return dict(n_ctx=2 * tokens, n_batch=tokens, n_ubatch=tokens, n_threads=threads, n_threads_batch=threads,
+                flash_attn=True, verbose=False)
+
+
 @contextmanager
 def llama_cpp_peer(gguf: Path, args, prompt: list[int], threads: int):
     """llama.cpp (llama-cpp-python) on a GGUF file, same threads, prompt in one batch: (label, prefill, decode)."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(str(gguf), n_ctx=2 * args.tokens, n_batch=args.tokens, n_ubatch=args.tokens,
-                          n_threads=threads, n_threads_batch=threads, flash_attn=True, verbose=False)
+    llm = llama_cpp.Llama(str(gguf), **llama_options(args.tokens, threads))
     vocab = llm.n_vocab()
 
     def step(tokens):
@@ -212,7 +217,7 @@ def _result(engine: dict) -> dict:
             "decode_tokens_per_s": round(decode, 2)}
 
 
-def gguf_or_error(model_dir: Path, outtype: str, args) -> Path | Exception:
+def gguf_or_error(model_dir: Path, outtype: str, args, threads: int) -> Path | Exception:
     """The GGUF conversion of `model_dir`, or why there is none (llama-cpp-python missing, converter failed)."""
     try:
         import llama_cpp  # noqa: F401  (no point converting for a peer that cannot run)
@@ -221,18 +226,17 @@ def gguf_or_error(model_dir: Path, outtype: str, args) -> Path | Exception:
             gguf = quantized_gguf(model_dir, outtype, Path(args.work), args.llama_cpp_src)
         else:
             gguf = gguf_file(model_dir, outtype, Path(args.work), args.llama_cpp_src)
-        return survives_a_run(gguf, args.tokens)
+        return survives_a_run(gguf, args.tokens, threads)
     except Exception as e:  # noqa: BLE001  (reported in the peer's row)
         return e
 
 
-# One prompt-sized batch and one decode step of llama.cpp on a GGUF, in a child process (argv: GGUF, tokens, threads).
+# One prompt-sized batch and one decode step of llama.cpp on a GGUF, in a child process (argv: GGUF, tokens, the
+# options of `llama_options` as JSON).
 _PROBE = """
-import sys, llama_cpp
-path, tokens, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-llm = llama_cpp.Llama(path, n_ctx=2 * tokens, n_batch=tokens, n_ubatch=tokens, n_threads=threads,
-                      n_threads_batch=threads, flash_attn=True, verbose=False)
-llm.eval(list(range(1, tokens + 1)))
+import json, sys, llama_cpp
+llm = llama_cpp.Llama(sys.argv[1], **json.loads(sys.argv[3]))
+llm.eval(list(range(1, int(sys.argv[2]) + 1)))
 llm.eval([1])
 """
 
@@ -241,12 +245,12 @@ class PeerCrash(RuntimeError):
     """llama.cpp died on a GGUF in the probe process."""
 
 
-def survives_a_run(gguf: Path, tokens: int) -> Path:
+def survives_a_run(gguf: Path, tokens: int, threads: int) -> Path:
     """`gguf`, once llama.cpp has run a prompt-sized batch and a decode step on it in a child process: a peer that
     dies there (seen: llama.cpp's AMX path for Q4_0 on a Xeon, SIGSEGV) becomes a row with the reason instead of
     killing this process and every figure in it."""
-    threads = str(len(os.sched_getaffinity(0)))
-    done = subprocess.run([sys.executable, "-c", _PROBE, str(gguf), str(tokens), threads], capture_output=True,
+    options = json.dumps(llama_options(tokens, threads))
+    done = subprocess.run([sys.executable, "-c", _PROBE, str(gguf), str(tokens), options], capture_output=True,
                           text=True, check=False)
     if done.returncode != 0:
         how = f"signal {signal.Signals(-done.returncode).name}" if done.returncode < 0 else f"exit {done.returncode}"
@@ -267,7 +271,7 @@ def benchmark(shape: str, dtype: str, args) -> dict:
     peers = [(ours, ours_dir, "ours")]
     peers += [(ours_bf16, model_dir, "ours (bf16 prefill products)")] if dtype == "bfloat16" else []
     peers += [(transformers_peer, model_dir, "transformers")]
-    peers += [(llama_cpp_peer, gguf_or_error(model_dir, outtype, args), f"llama.cpp (GGUF {outtype.upper()})")
+    peers += [(llama_cpp_peer, gguf_or_error(model_dir, outtype, args, threads), f"llama.cpp (GGUF {outtype.upper()})")
               for outtype in GGUF_TYPES[dtype]]
     with ExitStack() as stack:
         engines = run_rounds([open_engine(stack, peer, source, args, prompt, threads, fallback)

@@ -3,12 +3,12 @@
     python -m benchmarks.serve_load --shape qwen2.5-0.5b --dtype bfloat16 --clients 1,4,16,64 --work DIR
 
 The checkpoint is a random-weight one at a real shape (benchmarks/checkpoints.py) with a tokenizer whose
-vocabulary covers every id. Ours: built for llvm with steps of up to the most clients (`--batch-rows
-1,4,16,64`, `--matmul-precision` as given: float32 by default), served by `python -m runtime.serve` with as
-many active sequences. llama.cpp: its own server,
-built from the vendored llama.cpp of llama-cpp-python's sdist (benchmarks/gguf_convert.py), on the checkpoint's
-GGUF of the same dtype (BF16 for bfloat16, F16 for float16), restarted for each level with `--parallel` set to
-that level's client count (continuous batching, its default) and a context of that many sequences.
+vocabulary covers every id. Ours: built for llvm with steps of up to the most clients (`--batch-rows 1,4,16,64`,
+`--matmul-precision` as given: float32 by default), served by `python -m runtime.serve` with as many active
+sequences. llama.cpp: its own server, built from the vendored llama.cpp of llama-cpp-python's sdist
+(benchmarks/gguf_convert.py), on the checkpoint's GGUF of the same dtype (BF16 for bfloat16, F16 for float16),
+restarted for each level with `--parallel` set to that level's client count (continuous batching, its default)
+and a context of that many sequences.
 
 At each level N, N clients each send `--requests` streaming completions one after another: a prompt of
 `--prompt-tokens` random token ids (the same for both servers), `--tokens` new tokens, greedy, EOS ignored.
@@ -137,9 +137,9 @@ def ours(model_dir: Path, levels: list[int], args) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     server = Server([sys.executable, "-m", "runtime.serve", str(model_dir), "--artifact", str(artifact),
                      "--port", str(port), "--max-active-sequences", str(max(levels)), "--max-queue", "4096"]
-                    + (["--max-batch-tokens", str(args.max_batch_tokens)] if args.max_batch_tokens else [])
-                    + (["--max-decoding-batch-tokens", str(args.max_decoding_batch_tokens)]
-                       if args.max_decoding_batch_tokens else []),
+                    + [word for flag, value in (("--max-batch-tokens", args.max_batch_tokens),
+                                                ("--max-decoding-batch-tokens", args.max_decoding_batch_tokens))
+                       if value for word in (flag, str(value))],
                     port, args.work / "ours-server.log", env)
     try:
         return [{"server": "ours", **asyncio.run(load(server.url, model_dir.name, n, args.requests,

@@ -67,7 +67,7 @@ class ServingEngine:
         model = pipeline.model
         self.pipeline = pipeline
         budget = max_batch_tokens or model.buckets.prefill_tokens[-1]
-        decoding = min(budget, max_decoding_batch_tokens or DECODING_BATCH_TOKENS)
+        decoding = max_decoding_batch_tokens or DECODING_BATCH_TOKENS  # the scheduler caps it at the budget
         self.executor = BatchExecutor(model, ContinuousBatchConfig(max_active_sequences, budget, decoding),
                                       default_eos_token_ids=pipeline.default_eos_token_ids)
         self.max_queue = max_queue

@@ -3,7 +3,8 @@
 qweight comes in column tiles [tiles, in, tile words] (ir.packing), eight output columns to a word (nibble slot i
 holds column 8 * word + AWQ_ORDER[i]). A task owns a tile, one cache line of words a row, and streams it one
 input row at a time, so every load is a whole vector of words of contiguous memory; each nibble slot, shifted and
-masked, is a vector of one column of each word, widened to float32 and multiplied by the broadcast x value. Zero
+masked (AVX-512: masked in place, 16 ** slot times its value, undone at the group's end), is a vector of one
+column of each word, widened to float32 and multiplied by the broadcast x value. Zero
 points and scales are applied once per group: over a group, sum x * (q - z) * s = s * (sum x * q - z * sum x), so
 the accumulators hold sum x * q and the group's end subtracts z times the group's x sum and scales. The
 accumulator tile (rows x slots x vectors) is the one with the fewest unpacks and loads per FMA that fits half the
