@@ -110,6 +110,7 @@ GEMV_L1_BYTES = 32 * 1024  # x rows larger than a core's L1 data cache are read 
 GEMV_X_BLOCK_BYTES = 16 * 1024  # ... of this many bytes of x (half of L1: the weights stream through it too)
 GEMV_TASK_ROWS = 16  # several x rows: weight rows per task, passed over depth block by depth block
 CACHE_LINE = 64  # bytes: what one prefetch brings in
+STREAM_BYTES = 4096  # bytes of consecutive weights each stream of a one-pass product reads at least, if it can
 
 
 def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
@@ -120,7 +121,11 @@ def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     of up to 4 weight rows, widened in registers, and adds their products with the same elements of a group of x
     rows into accumulators (group rows x weight rows x halves, at most half the SIMD registers), and prefetches
     (into L2) the same elements of the next tile's rows, which follow in memory (the hardware prefetcher alone
-    leaves a core well short of its share of memory bandwidth on 16-bit weights). The group and the tile are
+    leaves a core well short of its share of memory bandwidth on 16-bit weights). Short weight rows (under
+    STREAM_BYTES) are read in runs: the tile's rows lie `run` rows apart, the tiles of a task's run of tiles go one
+    after another, so each of the tile's rows streams through `run` consecutive rows of memory (a [3584, 1024]
+    bf16 product streamed 25 GB/s from memory with 2 KiB streams, 28 with 4 KiB ones, as 2048-wide rows do on
+    the Xeon of docs/performance.md). The group and the tile are
     the shape with the fewest loads per product (8 rows on AVX2: two groups of 4 rows x 2 weight rows, 6 loads
     per 8 FMAs, not 1 x 8: 9); the groups take turns over a tile's weights, which stay in L1, so up to
     GEMV_MAX_ROWS rows fit whatever the register count (16 rows on AVX2: four groups, faster than the GEMM there
@@ -146,16 +151,18 @@ def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     tiles = GEMV_TASK_ROWS // cols if blocked else 1  # weight-row tiles per task
     block = next(b for b in range(GEMV_X_BLOCK_BYTES // (4 * m) // step * step, 0, -step) if k % b == 0) \
         if blocked else k
-    rows_per_task = tiles * cols
+    row_bytes = k * tvm.DataType(w_buf.dtype).bits // 8
+    run = 1 if blocked else max(p for p in range(1, -(-STREAM_BYTES // row_bytes) + 1) if n % (cols * p) == 0)
+    rows_per_task = tiles * cols * run
     line = max(1, CACHE_LINE // (step * tvm.DataType(w_buf.dtype).bits // 8))  # steps per cache line of a row
     per_line = line if block % (step * line) == 0 else 1
     tasks = T.parallel if m * n * k > SERIAL_WORK else T.serial  # as `_parallel` decides
 
     # Index arithmetic is written inline: a scalar bound by assignment in a macro becomes a one-element buffer on
     # the heap (TVM 0.27), which the loop then stores and reloads every step.
-    def row(task, t):
-        """The first weight row of a task's tile t."""
-        return (task * tiles + t) * cols
+    def row(task, t, c, j):
+        """Weight row c of tile j of a task's run of tiles t (the tile's rows lie `run` apart)."""
+        return (task * tiles + t) * cols * run + c * run + j
 
     def at(kb, s, u):
         """The first depth element of step u of cache line s of depth block kb."""
@@ -165,28 +172,29 @@ def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     def products(xs, ws, ys, first):
         flat = T.decl_buffer((n * k,), w_buf.dtype, data=ws.data)
         for task in tasks(n // rows_per_task):
-            sums = T.alloc_buffer((tiles, m, cols, halves, lanes), "float32")  # partial sums between depth blocks
+            sums = T.alloc_buffer((tiles, run, m, cols, halves, lanes), "float32")  # partials between depth blocks
             acc = T.alloc_buffer((group, cols, halves, lanes), "float32")  # on the stack (see cpu_attention): registers
             wide = T.alloc_buffer((cols, halves, lanes), "float32")
-            for t, r, c, h, lane in T.grid(tiles, m, cols, halves, lanes):
-                sums[t, r, c, h, lane] = T.float32(0)
-            for kb, t, g in T.grid(k // block, tiles, m // group):
+            for t, j, r, c, h, lane in T.grid(tiles, run, m, cols, halves, lanes):
+                sums[t, j, r, c, h, lane] = T.float32(0)
+            for kb, t, j, g in T.grid(k // block, tiles, run, m // group):
                 for r in T.unroll(group):
                     for c in T.unroll(cols):
                         for h in T.unroll(halves):
                             for lane in T.vectorized(lanes):
-                                acc[r, c, h, lane] = sums[t, g * group + r, c, h, lane]
+                                acc[r, c, h, lane] = sums[t, j, g * group + r, c, h, lane]
                 for s in range(block // (step * per_line)):
-                    if g == 0:  # one prefetch per cache line of each of the next tile's rows
+                    if g == 0:  # one prefetch per cache line of each of the next run of tiles' rows
                         for c in T.unroll(cols):
                             T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                                flat[T.min((row(task, t) + cols + c) * k + at(kb, s, 0), n * k - 1)]), 0, 2, 1))
+                                flat[T.min((row(task, t, c, j) + cols * run) * k + at(kb, s, 0), n * k - 1)]),
+                                0, 2, 1))
                     for u in T.unroll(per_line):
                         for c in T.unroll(cols):
                             for h in T.unroll(halves):
                                 for lane in T.vectorized(lanes):
                                     wide[c, h, lane] = T.Cast("float32",
-                                                              ws[row(task, t) + c, at(kb, s, u) + h * lanes + lane])
+                                                              ws[row(task, t, c, j), at(kb, s, u) + h * lanes + lane])
                         for r in T.unroll(group):
                             for c in T.unroll(cols):
                                 for h in T.unroll(halves):
@@ -197,11 +205,11 @@ def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
                     for c in T.unroll(cols):
                         for h in T.unroll(halves):
                             for lane in T.vectorized(lanes):
-                                sums[t, g * group + r, c, h, lane] = acc[r, c, h, lane]
-            for t, r, c in T.grid(tiles, m, cols):
-                ys[r, row(task, t) + c] = first(row(task, t) + c)
+                                sums[t, j, g * group + r, c, h, lane] = acc[r, c, h, lane]
+            for t, j, r, c in T.grid(tiles, run, m, cols):
+                ys[r, row(task, t, c, j)] = first(row(task, t, c, j))
                 for h, lane in T.grid(halves, lanes):
-                    ys[r, row(task, t) + c] = ys[r, row(task, t) + c] + sums[t, r, c, h, lane]
+                    ys[r, row(task, t, c, j)] = ys[r, row(task, t, c, j)] + sums[t, j, r, c, h, lane]
 
     return linear_func(func, products)
 
