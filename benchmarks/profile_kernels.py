@@ -23,8 +23,9 @@ from compiler.kernels import make_kernel
 from compiler.lower import op_signature
 from compiler.options import MATMUL_PRECISIONS
 from compiler.target import cpu_target
-from ir import OPS, ROWS, TOKENS, infer_types
+from ir import OPS, ROWS, TOKENS, infer_types, packed_as
 from ir.contract import Buckets
+from ir.packing import CPU_PACKINGS
 from runtime.cpu import enable_amx, use_all_cores
 from schedules import cpu
 
@@ -61,7 +62,7 @@ def main() -> None:
     if target.bf16_products == "amx":
         enable_amx()
     model_dir = args.model_dir or real_shape_checkpoint(args.work, args.shape, args.dtype)
-    _, _, _, program = models.load_checkpoint_program(model_dir)
+    program = packed_as(models.load_checkpoint_program(model_dir)[3], CPU_PACKINGS)  # as a CPU build stores it
     dev, rng = tvm.cpu(), np.random.default_rng(0)
     entry, arena = "step", Buckets((args.tokens,), (1,), CONTEXT_TOKENS, CONTEXT_TOKENS // 16)
     graph = program.entries[entry]

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 import models
 from models.checkpoint import SAFETENSORS_DTYPES
-from ir import format_program, stable_hash, to_json
+from ir import format_program, packed_as, stable_hash, to_json
 from ir.contract import (
     ATTENTION_ENTRIES,
     IR_FILE,
@@ -38,6 +38,7 @@ from ir.contract import (
     verify_files,
 )
 from ir.errors import RudaError, storage_error
+from ir.packing import CPU_PACKINGS
 from schedules import cpu, gpu
 
 from .cuda import CudaBuildError, CudaTarget, check_with_ptxas, cuda_target, export_with_ptx, prepare_environment
@@ -128,6 +129,7 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
     raw, config, tensors, program = models.load_checkpoint_program(model_dir)
     if isinstance(tgt, CpuTarget):
         tgt = tgt.for_weights(_matrix_dtype(program))
+        program = packed_as(program, CPU_PACKINGS)  # packed weights in the layout the CPU kernels read
     buckets = replace(resolve_buckets(prefill_buckets, max_context, config.max_position_embeddings, batch_rows,
                                       kv_pages, kv_block),
                       entries=_entries(program, (ATTENTION_ENTRIES["legacy"],) if legacy_attention else ()),

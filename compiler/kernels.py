@@ -15,7 +15,7 @@ from tvm import te, tirx
 from tvm.script import tirx as T
 
 from ir import TensorType
-from ir.packing import AWQ_PACK, Packing, awq_slot
+from ir.packing import AWQ_PACK, Packing, awq_slot, pair_position
 from schedules import stages
 
 F32 = "float32"
@@ -88,7 +88,8 @@ def linear(types, attrs) -> Kernel:
     return Kernel(te.create_prim_func([x, *w_parts, *bias, y]))
 
 
-PART_NAMES = {None: ("weight",), "awq_int4": ("qweight", "qzeros", "scales")}  # parameter names of the parts
+PART_NAMES = {None: ("weight",), "awq_int4": ("qweight", "qzeros", "scales"),
+              "awq_int4_pairs": ("qweight", "qzeros", "scales")}  # parameter names of the parts
 
 
 def _unpacked(packing: Packing | None, parts: list):
@@ -97,6 +98,13 @@ def _unpacked(packing: Packing | None, parts: list):
         return lambda j, k: _f32(parts[0][j, k])
     qweight, qzeros, scales = parts
     group, tile = packing.group, int(qweight.shape[2])
+    if packing.kind == "awq_int4_pairs":
+        def value(words, j, row):  # the 4-bit value of (row, column j) of a pairs-layout tensor
+            t, pair, word, shift = pair_position(j, row, tile)
+            return tirx.bitwise_and(tirx.shift_right(words[t, pair, word], shift), 15)
+
+        return lambda j, k: (value(qweight, j, k) - value(qzeros, j, k // group)).astype(F32) * _f32(
+            scales[k // group, j])
 
     def nibble(word, j):  # column j lies in nibble slot awq_slot(j % 8) of its word
         return tirx.bitwise_and(tirx.shift_right(word, awq_slot(j % AWQ_PACK) * 4), 15)

@@ -10,15 +10,29 @@ The words are the checkpoint's, bit for bit, but qweight is regrouped once at lo
 `awq_tile_words` words (a 64-byte cache line), each tile's rows contiguous: [words / tile, in, tile]. A kernel that
 owns a tile then streams one contiguous block instead of a 64-byte strip every out / 2 bytes (which ran at a
 third of the memory bandwidth on a 5632-column matrix). The cost is one pass over the packed words at load.
+GPU kernels read this layout.
+
+awq_int4_pairs (what CPU kernels read; a build for a CPU stores every awq_int4 weight so, `CPU_PACKINGS`): the
+same 4-bit values and the same number of bytes, regrouped once at load so that a word holds two input rows of
+four columns. In a column tile t of 4 * tile columns, word j of row pair p holds in bits 4n the value of row 2p
+and in bits 16 + 4n that of row 2p + 1, both of column 4 * tile * t + tile * n + j (n = 0..3):
+    qweight int32 [out / (4 tile), in / 2, tile], qzeros int32 [out / (4 tile), ceil(in / group / 2), tile]
+(qzeros the same way, its groups as the rows), scales as stored. Shifting a vector of words right by 4n and
+masking it with 0x000F000F gives a vector of 16-bit pairs (row 2p, row 2p + 1) of `tile` neighbouring columns:
+the operand of the integer pair dot products (pmaddwd, vpdpwssd) with a pair of activations (schedules.cpu_awq).
+Groups are even, so a pair never straddles two.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-PACKINGS = {"awq_int4": "awq_tiles"}  # packing kind -> the weight-map transform (ir.graph.WEIGHT_TRANSFORMS) that makes it
+PACKINGS = {"awq_int4": "awq_tiles", "awq_int4_pairs": "awq_pairs"}  # packing kind -> the weight-map transform
+# (ir.graph.WEIGHT_TRANSFORMS) that makes it
+CPU_PACKINGS = {"awq_int4": "awq_int4_pairs"}  # how a build for a CPU stores a packed weight of each kind
 AWQ_PACK = 8  # 4-bit values per int32 word
 AWQ_TILE_WORDS = 16  # words of qweight per column tile: a 64-byte cache line
+PAIR_SLOTS = 4  # columns per word of the pairs layout (each in two rows)
 
 
 def awq_column(slot):
@@ -56,6 +70,8 @@ class Packing:
             return f"{out} output columns are not a multiple of the {AWQ_PACK} a packed word holds"
         if not isinstance(self.group, int) or self.group <= 0 or inp % self.group:
             return f"group {self.group!r} does not divide the {inp} input rows"
+        if self.group % 2:
+            return f"group {self.group} is odd; the kernels read input rows in pairs, so groups must be even"
         return None
 
     @property
@@ -70,13 +86,29 @@ class Packing:
                 ((inp // self.group, out), dtype))
 
     def parts(self, shape: tuple[int, int], dtype: str) -> tuple[tuple[tuple[int, ...], str], ...]:
-        """(shape, dtype) of each part kernels take, in order: qweight in column tiles, qzeros, scales."""
-        ((rows, words), _), *rest = self.checkpoint_parts(shape, dtype)
+        """(shape, dtype) of each part kernels take, in order: qweight, qzeros (both in the kind's layout), scales."""
+        ((rows, words), _), zeros, scales = self.checkpoint_parts(shape, dtype)
+        if self.kind == "awq_int4_pairs":
+            tile = pair_tile_words(shape[0])
+            tiles, groups = shape[0] // (PAIR_SLOTS * tile), zeros[0][0]
+            return (((tiles, rows // 2, tile), "int32"), ((tiles, -(-groups // 2), tile), "int32"), scales)
         tile = awq_tile_words(words)
-        return (((words // tile, rows, tile), "int32"), *rest)
+        return (((words // tile, rows, tile), "int32"), zeros, scales)
 
 
 def awq_tile_words(words: int) -> int:
     """Words per column tile of a qweight with `words` words a row: AWQ_TILE_WORDS, or the largest power of two
     below it that divides `words`."""
     return next(t for t in (AWQ_TILE_WORDS, 8, 4, 2, 1) if words % t == 0)
+
+
+def pair_tile_words(out: int) -> int:
+    """Words per column tile of the pairs layout for `out` columns: AWQ_TILE_WORDS, or the largest power of two below
+    it whose tile (PAIR_SLOTS columns a word) divides `out` (2 always does: `out` is a multiple of AWQ_PACK)."""
+    return next(t for t in (AWQ_TILE_WORDS, 8, 4, 2) if out % (PAIR_SLOTS * t) == 0)
+
+
+def pair_position(column, row, tile: int):
+    """Where the value of (`row`, `column`) lies in the pairs layout of `tile` words a tile: (column tile, row pair,
+    word, bit shift); plain arithmetic, so numpy arrays and TensorIR expressions take it too."""
+    return column // (PAIR_SLOTS * tile), row // 2, column % tile, column // tile % PAIR_SLOTS * 4 + row % 2 * 16

@@ -1,11 +1,12 @@
-"""Graph passes: each takes a graph and returns an equivalent, simpler one."""
+"""Graph passes: each takes a graph (or the program) and returns an equivalent, simpler or faster one."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from .graph import Graph, Op
+from .graph import Graph, Op, Program
 from .ops import OPS
+from .packing import Packing
 
 
 def _users(graph: Graph) -> dict[str, int]:
@@ -49,3 +50,16 @@ def fuse_add_rms_norm(graph: Graph) -> Graph:
                     (add.outputs[0], op.outputs[0]), dict(op.attrs))
         fused_adds.add(j)
     return replace(graph, ops=[op for k, op in enumerate(ops) if k not in fused_adds])
+
+
+def packed_as(program: Program, kinds: dict[str, str]) -> Program:
+    """The program with every packed param of a kind in `kinds` stored as the kind it maps to (the same values in
+    the layout a target's kernels read best, ir.packing), made by that kind's weight-map transform."""
+    params = {}
+    for name, p in program.params.items():
+        packing = p.type.packing
+        if packing is not None and packing.kind in kinds:
+            packing = Packing(kinds[packing.kind], packing.group)
+            p = replace(p, type=replace(p.type, packing=packing), transform=packing.transform)
+        params[name] = p
+    return replace(program, params=params)

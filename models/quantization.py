@@ -77,7 +77,7 @@ def check_groups(quant: AwqQuantization | None, shapes: Mapping[str, tuple[int, 
             problem = quant.packing(shape[1]).problem(shape)
             if problem:
                 raise _reader(cfg).error("group_size", f"is {quant.group_size}, but {name} [{shape[0]}, {shape[1]}] "
-                                         f"cannot be packed: {problem}; the group size must divide every input width")
+                                         f"cannot be packed: {problem}")
 
 
 def _reader(cfg: ConfigReader) -> ConfigReader:

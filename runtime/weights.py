@@ -17,7 +17,7 @@ import tvm
 
 from ir.contract import ParamSpec
 from ir.errors import RudaWarning
-from ir.packing import awq_tile_words
+from ir.packing import AWQ_PACK, PAIR_SLOTS, awq_slot, awq_tile_words, pair_tile_words
 from models.checkpoint import CheckpointError, TensorEntry
 
 from .cpu import HUGE_PAGE, ask_huge_pages
@@ -49,10 +49,29 @@ def awq_tiles(qweight: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(qweight.reshape(rows, words // tile, tile).transpose(1, 0, 2))
 
 
+def awq_values(words: np.ndarray) -> np.ndarray:
+    """AWQ words [rows, out / 8] -> their 4-bit values [rows, out] (uint8), columns in order."""
+    shifts = np.array([4 * awq_slot(c) for c in range(AWQ_PACK)], np.uint32)
+    return ((words.view(np.uint32)[:, :, None] >> shifts) & 15).astype(np.uint8).reshape(len(words), -1)
+
+
+def pair_words(values: np.ndarray) -> np.ndarray:
+    """4-bit values [rows, out] -> words of the pairs layout [out / (4 tile), ceil(rows / 2), tile] (ir.packing)."""
+    rows, out = values.shape
+    tile = pair_tile_words(out)
+    if rows % 2:
+        values = np.concatenate([values, np.zeros((1, out), values.dtype)])
+    split = values.reshape(-1, 2, out // (PAIR_SLOTS * tile), PAIR_SLOTS, tile).astype(np.uint32)
+    shifts = (16 * np.arange(2, dtype=np.uint32)[:, None] + 4 * np.arange(PAIR_SLOTS, dtype=np.uint32))[:, None, :, None]
+    words = (split << shifts).sum(axis=(1, 3), dtype=np.uint32)  # the bits are disjoint: the sum is their OR
+    return np.ascontiguousarray(words.transpose(1, 0, 2)).view(np.int32)
+
+
 TRANSFORMS = {
     "copy": lambda arrays: arrays[:1],
     "flatten": lambda arrays: [arrays[0].reshape(arrays[0].shape[0], -1)],
     "awq_tiles": lambda arrays: [awq_tiles(arrays[0]), *arrays[1:]],
+    "awq_pairs": lambda arrays: [pair_words(awq_values(arrays[0])), pair_words(awq_values(arrays[1])), arrays[2]],
 }
 """The weight map's transforms (ir.graph.WEIGHT_TRANSFORMS): source arrays -> the arrays the param is passed as."""
 

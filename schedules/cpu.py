@@ -14,7 +14,6 @@ import tvm.sym
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
-from ir.packing import AWQ_PACK
 
 from . import stages
 from .amx import amx_gemm
@@ -23,7 +22,7 @@ from .cpu_attention import paged_attention
 from .cpu_awq import awq_linear
 from .loops import split_loops, static_extent
 from .vector_math import vector_math
-from .written import linear_func, packed_weight
+from .written import linear_func, packed_weight, paired_weight
 
 
 SERIAL_WORK = 1 << 14  # elements (times the loop each one runs) that a kernel leaves to one core
@@ -280,7 +279,7 @@ def _gemm(sch: s_tir.Schedule, block, lanes: int) -> None:
     _transposed_activations(sch, block, tile_rows, lanes)
     unpack = stages.find(sch, stages.DEQUANT)
     if unpack is not None:
-        _unpacked_weights(sch, unpack, k_block)
+        _unpacked_weights(sch, unpack, k_block, lanes)
     elif sch.get(block).reads[1].source.dtype == "bfloat16":
         _widened_weights(sch, block, k_block, lanes)
     sch.decompose_reduction(block, k_block)
@@ -309,15 +308,14 @@ def _widened_weights(sch: s_tir.Schedule, block, k_block, lanes: int) -> None:
     sch.vectorize(sch.split(sch.get_loops(copy)[-1], [None, lanes])[1])
 
 
-def _unpacked_weights(sch: s_tir.Schedule, unpack, k_block) -> None:
-    """Unpack a task's packed weights (ir.packing) to float32 once per depth block, for every row to reuse: one
-    word's columns at a time, a vector whose word is one broadcast load (a vector over two words had LLVM load the
-    word lane by lane: 1.5x slower products)."""
+def _unpacked_weights(sch: s_tir.Schedule, unpack, k_block, lanes: int) -> None:
+    """Unpack a task's packed weights (ir.packing) to float32 once per depth block, for every row to reuse, a vector
+    of neighbouring columns at a time: in the pairs layout their words are neighbours too (one vector load)."""
     sch.transform_layout(unpack, ("write", 0), lambda col, depth: (depth, col))  # columns contiguous: vector stores
     sch.compute_at(unpack, k_block)
     col, depth = sch.get_loops(unpack)[-2:]
     sch.reorder(depth, col)
-    sch.vectorize(sch.split(col, [None, AWQ_PACK])[1])
+    sch.vectorize(sch.split(col, [None, math.gcd(lanes, static_extent(sch, col))])[1])
 
 
 def _norm(sch: s_tir.Schedule, lanes: int) -> None:
@@ -402,7 +400,8 @@ def _written(func: tirx.PrimFunc, kind: str, lanes: int, bf16_products: str | No
     """A hand-written kernel for this op and shape, or None when schedule primitives handle it."""
     if kind == "linear" and packed_weight(func):
         rows = int(func.params[0].shape[0])
-        return None if rows > GEMV_MAX_ROWS and rows % lanes == 0 else awq_linear(func, lanes)
+        few = rows <= GEMV_MAX_ROWS or rows % lanes  # else the GEMM, on a tile unpacked at a time
+        return awq_linear(func, lanes) if few and paired_weight(func) else None  # the GPU's layout: the definition
     if kind == "linear":
         rows = int(func.params[0].shape[0])
         gemm = BF16_GEMMS[bf16_products](func) if bf16_products and rows > GEMV_MAX_ROWS else None

@@ -70,3 +70,9 @@ def pack_activation_pairs(x, xp):
 def packed_weight(func: tirx.PrimFunc) -> bool:
     """Whether a `linear` kernel takes its weight packed (ir.packing: int32 words, zeros and scales)."""
     return func.params[1].dtype == "int32"
+
+
+def paired_weight(func: tirx.PrimFunc) -> bool:
+    """Whether a packed `linear` kernel's qweight is in the pairs layout (ir.packing awq_int4_pairs): a row of words
+    per pair of input rows."""
+    return 2 * int(func.params[1].shape[1]) == int(func.params[0].shape[1])

@@ -19,12 +19,14 @@ import models
 from compiler.kernels import make_kernel
 from compiler.target import cpu_target
 from ir import IRError, Packing, TensorType, infer_types
+from ir.packing import pair_position, pair_tile_words
 from models.checkpoint import CheckpointError
 from models.tiny import awq_pack, awq_quantize, tiny_config, write_tiny_checkpoint
 from runtime import (CompiledModel, GreedyGenerationConfig, load_huggingface_awq_qwen2_pipeline,
                      load_huggingface_llama_pipeline, load_huggingface_qwen2_pipeline, load_pipeline)
-from runtime.weights import TRANSFORMS
+from runtime.weights import TRANSFORMS, pair_words
 from schedules.cpu import schedule
+from schedules.cpu_awq import awq_linear
 
 DOCUMENTED_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
@@ -103,6 +105,8 @@ CONFIG_ERRORS = [
     ({"group_size": "128"}, "group_size", "'128'"),
     ({"group_size": 48}, "group_size", "is 48, but model.layers.0.self_attn.q_proj.weight [64, 64] cannot be packed: "
                                        "group 48 does not divide the 64 input rows"),
+    ({"group_size": 1}, "group_size", "is 1, but model.layers.0.self_attn.q_proj.weight [64, 64] cannot be packed: "
+                                      "group 1 is odd; the kernels read input rows in pairs, so groups must be even"),
     ({"modules_to_not_convert": "lm_head"}, "modules_to_not_convert", "must be a list of module names"),
 ]
 
@@ -140,7 +144,12 @@ def test_packed_types_are_checked_by_the_verifier():
     assert [str(t) for t in good.parts()] == ["int32[1, 64, 4]", "int32[2, 4]", "float16[2, 32]"]  # 4-word tiles
     wide = TensorType((1024, 64), "float16", Packing("awq_int4", 32))
     assert str(wide.parts()[0]) == "int32[8, 64, 16]"  # 128 words a row: tiles of a 64-byte line
+    pairs = TensorType((1024, 64), "float16", Packing("awq_int4_pairs", 32))
+    assert [str(t) for t in pairs.parts()] == ["int32[16, 32, 16]", "int32[16, 1, 16]", "float16[2, 1024]"]
     x = TensorType((3, 64), "float32")
+    with pytest.raises(IRError, match="group 31 is odd"):
+        infer_types("linear", [TensorType((3, 62), "float32"),
+                               TensorType((32, 62), "float16", Packing("awq_int4_pairs", 31))], {})
     with pytest.raises(IRError, match="group 48 does not divide the 64 input rows"):
         infer_types("linear", [x, TensorType((32, 64), "float16", Packing("awq_int4", 48))], {})
     with pytest.raises(IRError, match="not a multiple of the 8"):
@@ -149,24 +158,67 @@ def test_packed_types_are_checked_by_the_verifier():
         infer_types("rms_norm", [x, TensorType((64,), "float16", Packing("awq_int4", 32))], {"eps": 1e-6})
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 16, 32])
+LAYOUTS = {"cpu": ("awq_int4_pairs", None), "cpu-avx2": ("awq_int4_pairs", "x86-64-v3"), "gpu": ("awq_int4", None)}
+
+
+def _activations(rng, rows, inp):
+    """Rows of x with what the integer activations must survive: a block of zeros, an outlier 1e4 times the rest."""
+    x = rng.standard_normal((rows, inp)).astype(np.float32)
+    x[:, 64:128] = 0
+    x[-1, 130] = 3e4
+    return x
+
+
+@pytest.mark.parametrize("layout,rows", [(layout, rows) for layout in LAYOUTS for rows in (1, 3, 8, 16, 32)
+                                         if layout != "cpu-avx2" or rows <= 3])  # AVX2: its 8-lane kernel
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("out", [64, 384])  # 8 and 48 words a row: one tile of 8 words; three of 16
-def test_packed_linear_kernel_matches_numpy(rows, bias, out):
+@pytest.mark.parametrize("out", [40, 384])  # pairs layout: 2-word tiles (too narrow for SIMD); six of 16 words
+def test_packed_linear_kernel_matches_numpy(rows, bias, out, layout):
+    """Each layout's kernel (the GPU's: its definition, run here) against the independent dequantiser; rows of 16 or
+    fewer, and rows no multiple of the SIMD width, take the integer dot products on a CPU."""
+    kind, mcpu = LAYOUTS[layout]
     rng = np.random.default_rng(rows)
     inp, group = 256, 64
     qweight, qzeros, scales = awq_quantize(rng.standard_normal((out, inp)).astype(np.float32) / 16, group)
-    x = rng.standard_normal((rows, inp)).astype(np.float32)
+    x = _activations(rng, rows, inp)
     b = rng.standard_normal(out).astype(np.float16)
-    types = [TensorType(x.shape, "float32"), TensorType((out, inp), "float16", Packing("awq_int4", group))]
+    types = [TensorType(x.shape, "float32"), TensorType((out, inp), "float16", Packing(kind, group))]
     types += [TensorType((out,), "float16")] if bias else []
-    target = cpu_target()
-    lib = tvm.compile(schedule(make_kernel("linear", types, {}).func, "linear", {}, target), target.tvm_target())
+    target = cpu_target(mcpu) if mcpu else cpu_target()
+    func = make_kernel("linear", types, {}).func
+    if kind == "awq_int4_pairs" and out % (4 * target.lanes) == 0 and (rows <= 16 or rows % target.lanes):
+        assert awq_linear(func, target.lanes) is not None  # the integer dot products are the kernel here
+    lib = tvm.compile(schedule(func, "linear", {}, target), target.tvm_target())
     y = tvm.runtime.empty((rows, out), "float32")
-    parts = TRANSFORMS["awq_tiles"]([qweight, qzeros, scales])
+    parts = TRANSFORMS[Packing(kind, group).transform]([qweight, qzeros, scales])
     lib["main"](*[tvm.runtime.tensor(a) for a in (x, *parts) + ((b,) if bias else ())], y)
-    want = x @ dequantise(qweight, qzeros, scales).T + (b.astype(np.float32) if bias else 0)
-    np.testing.assert_allclose(y.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    want = x.astype(np.float64) @ dequantise(qweight, qzeros, scales).T.astype(np.float64) + (
+        b.astype(np.float64) if bias else 0)
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("mcpu", [None, "x86-64-v3", "znver4"])
+def test_integer_pair_dot_products_are_the_instructions_used(mcpu):
+    """The decode kernel multiplies 16-bit pairs: pmaddwd (AVX2, AVX-512) or vpdpwssd (where LLVM prefers it)."""
+    target = cpu_target(mcpu) if mcpu else cpu_target()
+    types = [TensorType((1, 256), "float32"), TensorType((256, 256), "float16", Packing("awq_int4_pairs", 64))]
+    lib = tvm.compile(schedule(make_kernel("linear", types, {}).func, "linear", {}, target), target.tvm_target())
+    asm = lib.mod.inspect_source("s")
+    assert "vpmaddwd" in asm or "vpdpwssd" in asm
+    assert "vpdpwssd" in asm if mcpu == "znver4" else True
+
+
+def test_pairs_layout_holds_each_value_where_pair_position_says():
+    rng = np.random.default_rng(3)
+    values = rng.integers(0, 16, (6, 40), dtype=np.uint8)
+    words = pair_words(values)
+    tile = pair_tile_words(40)
+    assert words.shape == (40 // (4 * tile), 3, tile) and words.dtype == np.int32
+    for row in range(6):
+        for column in range(40):
+            t, pair, word, shift = pair_position(column, row, tile)
+            assert (int(words.view(np.uint32)[t, pair, word]) >> shift) & 15 == values[row, column]
+    assert (pair_words(values[:5]) == np.where(np.arange(3)[None, :, None] == 2, words & 0xFFFF, words)).all()
 
 
 CASES = {
@@ -213,9 +265,9 @@ def test_weights_stay_packed_in_memory_and_the_manifest_records_the_quantisation
     for p in packed:  # the runtime holds the packed words, zeros and scales, never an [out, in] float matrix
         out, inp = p.shape
         group = inp if config["group_size"] == -1 else config["group_size"]
-        tile = next(t for t in (16, 8, 4, 2, 1) if out // 8 % t == 0)
-        assert p.packing == f"awq_int4(g{group})" and p.transform == "awq_tiles"
-        assert (out // 8 // tile, inp, tile, "int32") in held and (inp // group, out, "float16") in held
+        tile = next(t for t in (16, 8, 4, 2) if out % (4 * t) == 0)
+        assert p.packing == f"awq_int4_pairs(g{group})" and p.transform == "awq_pairs"  # the CPU layout
+        assert (out // 4 // tile, inp // 2, tile, "int32") in held and (inp // group, out, "float16") in held
     floats = {shape[:2] for shape in held if shape[-1] != "int32"}
     assert not any((p.shape[0], p.shape[1]) in floats for p in packed if p.shape[0] != p.shape[1])
 
