@@ -7,7 +7,7 @@ from pathlib import Path
 # LLVM feature names and the /proc/cpuinfo flags that prove the host has them.
 CHECKED_FEATURES = {
     "avx2": "avx2", "fma": "fma", "f16c": "f16c", "avx512f": "avx512f", "avx512bw": "avx512bw",
-    "avx512vl": "avx512vl", "avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16",
+    "avx512vl": "avx512vl", "avx512vnni": "avx512_vnni", "avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16",
     "amx-tile": "amx_tile", "amx-bf16": "amx_bf16",
 }
 AMX_FEATURES = ("amx-bf16", "amx-tile")  # what bfloat16 matrix products on AMX tiles need

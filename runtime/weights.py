@@ -62,7 +62,8 @@ def pair_words(values: np.ndarray) -> np.ndarray:
     if rows % 2:
         values = np.concatenate([values, np.zeros((1, out), values.dtype)])
     split = values.reshape(-1, 2, out // (PAIR_SLOTS * tile), PAIR_SLOTS, tile).astype(np.uint32)
-    shifts = (16 * np.arange(2, dtype=np.uint32)[:, None] + 4 * np.arange(PAIR_SLOTS, dtype=np.uint32))[:, None, :, None]
+    halves, slots = np.arange(2, dtype=np.uint32), np.arange(PAIR_SLOTS, dtype=np.uint32)
+    shifts = (16 * halves[:, None] + 4 * slots)[:, None, :, None]  # [half, 1, slot, 1]: bits of (row half, nibble)
     words = (split << shifts).sum(axis=(1, 3), dtype=np.uint32)  # the bits are disjoint: the sum is their OR
     return np.ascontiguousarray(words.transpose(1, 0, 2)).view(np.int32)
 

@@ -395,13 +395,13 @@ SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "layer
 BF16_GEMMS = {"amx": amx_gemm, "avx512bf16": dpbf16_gemm}
 
 
-def _written(func: tirx.PrimFunc, kind: str, lanes: int, bf16_products: str | None,
-             attrs: dict | None) -> tirx.PrimFunc | None:
+def _written(func: tirx.PrimFunc, kind: str, lanes: int, bf16_products: str | None, attrs: dict | None,
+             vnni: bool = False) -> tirx.PrimFunc | None:
     """A hand-written kernel for this op and shape, or None when schedule primitives handle it."""
     if kind == "linear" and packed_weight(func):
         rows = int(func.params[0].shape[0])
         few = rows <= GEMV_MAX_ROWS or rows % lanes  # else the GEMM, on a tile unpacked at a time
-        return awq_linear(func, lanes) if few and paired_weight(func) else None  # the GPU's layout: the definition
+        return awq_linear(func, lanes, vnni) if few and paired_weight(func) else None  # GPU layout: the definition
     if kind == "linear":
         rows = int(func.params[0].shape[0])
         gemm = BF16_GEMMS[bf16_products](func) if bf16_products and rows > GEMV_MAX_ROWS else None
@@ -416,7 +416,7 @@ def schedule(func: tirx.PrimFunc, kind: str, attrs: dict, target) -> tirx.PrimFu
     float32 SIMD `lanes`, and where prefill products of bfloat16 weights run in bfloat16: `bf16_products`); exp and
     sigmoid as vectorisable arithmetic."""
     lanes = target.lanes
-    written = _written(func, kind, lanes, target.bf16_products, attrs)
+    written = _written(func, kind, lanes, target.bf16_products, attrs, "avx512vnni" in target.features)
     if written is None:
         sch = s_tir.Schedule(func)
         SCHEDULES.get(kind, _generic)(sch, lanes)

@@ -14,9 +14,12 @@ as close to float32 ones as float32 sums are to exact ones. Each of x1 and x2 ha
 X_BLOCK * 32767 * 15 < 2 ** 31: no overflow); at a block's end they become float32, and with the block's x sum
 the zero points and scales are applied: over a group, sum x * (q - z) * s = s * (sum x * q - z * sum x).
 
-A task owns a column tile and streams its words, one contiguous block of `tile` words a row pair; the
-accumulators (terms x rows x the four column vectors of a word x vectors) are at most half the SIMD registers,
-and the rows loop in passes, so the same kernel serves any number of rows.
+Extracting the pairs of nibble n costs one operation for three of the four: nibble 0 is masked where it lies,
+nibble 1 too (16 times its value, undone after the block), nibble 3 is a 16-bit shift alone; nibble 2 is shifted
+and masked. A task owns a column tile, or two where the registers hold both tiles' sums (one row: two
+contiguous streams of words a core, 1.04x faster from memory than one), and streams its words, `tile` words a row
+pair; the accumulators (tiles x terms x rows x the four column vectors of a word x vectors) are at most half the
+SIMD registers, and the rows loop in passes, so the same kernel serves any number of rows.
 """
 
 from __future__ import annotations
@@ -37,22 +40,42 @@ PAIR_MASK = 0x000F000F  # one 4-bit value in each 16-bit half of a word
 DOT = "ruda_pmaddwd"
 
 
-def dot_ir(lanes: int) -> str:
-    """LLVM IR of `acc + pmaddwd(a, b)` on `lanes` 32-bit lanes (AVX-512: 16, AVX2: 8); LLVM fuses the add into
-    vpdpwssd where the CPU has it and runs it fast."""
-    name = {16: "llvm.x86.avx512.pmaddw.d.512", 8: "llvm.x86.avx2.pmadd.wd"}[lanes]
-    pairs = f"<{2 * lanes} x i16>"
+def dot_ir(lanes: int, vnni: bool) -> str:
+    """LLVM IR of `acc + pmaddwd(a, b)` on `lanes` 32-bit lanes (AVX-512: 16, AVX2: 8): one vpdpwssd where the CPU
+    has AVX512-VNNI, else pmaddwd and an add. vpdpwssd is written as inline assembly: LLVM turns its intrinsic
+    into pmaddwd and an add, and on Intel CPUs fuses only some of them back (one more instruction per product on
+    the port that the products are bound by; the Xeon of docs/performance.md: 1.3x slower in cache)."""
+    pairs, sums = f"<{2 * lanes} x i16>", f"<{lanes} x i32>"
+    if vnni and lanes == 16:
+        declare = ""
+        body = f'%sum = call {sums} asm "vpdpwssd $2, $1, $0", "=v,v,v,0"({pairs} %a16, {pairs} %b16, {sums} %acc)'
+    else:
+        name = {16: "llvm.x86.avx512.pmaddw.d.512", 8: "llvm.x86.avx2.pmadd.wd"}[lanes]
+        declare = f"declare {sums} @{name}({pairs}, {pairs})"
+        body = f"%products = call {sums} @{name}({pairs} %a16, {pairs} %b16)\n  %sum = add {sums} %acc, %products"
     return f"""
-declare <{lanes} x i32> @{name}({pairs}, {pairs})
+{declare}
 
-define linkonce_odr <{lanes} x i32> @{DOT}(<{lanes} x i32> %acc, <{lanes} x i32> %a, <{lanes} x i32> %b) alwaysinline {{
-  %a16 = bitcast <{lanes} x i32> %a to {pairs}
-  %b16 = bitcast <{lanes} x i32> %b to {pairs}
-  %products = call <{lanes} x i32> @{name}({pairs} %a16, {pairs} %b16)
-  %sum = add <{lanes} x i32> %acc, %products
-  ret <{lanes} x i32> %sum
+define linkonce_odr {sums} @{DOT}({sums} %acc, {sums} %a, {sums} %b) alwaysinline {{
+  %a16 = bitcast {sums} %a to {pairs}
+  %b16 = bitcast {sums} %b to {pairs}
+  {body}
+  ret {sums} %sum
 }}
 """
+
+
+IN_PLACE = 1  # nibbles up to this one are masked where they lie: 16 * 15 fits 16 bits, X_BLOCK rows' sums 32
+
+
+def _pair_values(words, n, lanes: int):
+    """The 16-bit pairs of nibble n (an unrolled loop's variable: the selects fold away) of a vector of words, as
+    the module docstring says: nibble IN_PLACE's 16 times their value."""
+    top = T.reinterpret(f"int32x{lanes}", T.shift_right(T.reinterpret(f"uint16x{2 * lanes}", words),
+                                                         T.broadcast(T.uint16(4 * (PAIR_SLOTS - 1)), 2 * lanes)))
+    lowest = T.bitwise_and(T.shift_right(words, T.broadcast(4 * n, lanes)), T.broadcast(PAIR_MASK, lanes))
+    in_place = T.bitwise_and(words, T.broadcast(T.Select(n == IN_PLACE, PAIR_MASK << 4 * IN_PLACE, PAIR_MASK), lanes))
+    return T.Select(n == PAIR_SLOTS - 1, top, T.Select(n <= IN_PLACE, in_place, lowest))
 
 
 def x_block(group: int) -> int:
@@ -69,8 +92,9 @@ def _tile(rows: int, vecs: int, budget: int) -> tuple[int, int]:
 
 
 def _integer_activations(block: int, lanes: int):
-    """A macro (xs, xq, scale, xsum) writing xq[r, term, i]: x1 (term 0) and x2 (term 1) of x[r, i] as 16-bit integers, scale[r, b] = d
-    and xsum[r, b] = the sum of x over block b (see the module docstring); in vectors of up to `lanes`."""
+    """A macro (xs, xq, scale, xsum) writing xq[r, term, i]: x1 (term 0) and x2 (term 1) of x[r, i] as 16-bit
+    integers, scale[r, b] = d and xsum[r, b] = the sum of x over block b (see the module docstring); in vectors of
+    up to `lanes`."""
     chunk = gcd(block, lanes)
 
     @T.macro
@@ -102,9 +126,10 @@ def _integer_activations(block: int, lanes: int):
     return integers
 
 
-def awq_linear(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
+def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.PrimFunc | None:
     """The packed product of `compiler.kernels.linear` (weights in the pairs layout) as a weight-streaming loop of
-    integer pair dot products, or None when a tile's words do not split into whole SIMD vectors."""
+    integer pair dot products (`vnni`: the CPU has AVX512-VNNI), or None when a tile's words do not split into
+    whole SIMD vectors."""
     x_buf, q_buf, z_buf, s_buf = func.params[:4]
     m, k = (int(d) for d in x_buf.shape)
     tiles, pairs, words = (int(d) for d in q_buf.shape)
@@ -113,24 +138,35 @@ def awq_linear(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     if words % lanes or lanes not in (8, 16):
         return None
     vecs = words // lanes
-    rows, tile_vecs = _tile(m, vecs, 16 if lanes >= 16 else 8)
+    budget = 16 if lanes >= 16 else 8
+    rows, tile_vecs = _tile(m, vecs, budget)
+    streams = next(u for u in (2, 1) if tiles % u == 0 and u * 2 * rows * PAIR_SLOTS * tile_vecs <= budget)
     block_pairs = block // 2
     activations = _integer_activations(block, lanes)
 
-    def column(task, n, v, lane):
-        """The output column of lane `lane` of vector v of the columns in nibble n of a tile's words."""
-        return (task * PAIR_SLOTS + n) * words + v * lanes + lane
+    def column(task, n, word):
+        """The output column of nibble n of word `word` of a column tile."""
+        return (task * PAIR_SLOTS + n) * words + word
+
+    def block_sum(sum1, sum2, d, xs_sum, qz, sc, task, g, n, word):
+        """A block's sum of x * (q - z) * s for the column of `word` in nibble n, from its integer sums of x1 * q
+        and x2 * q (nibble IN_PLACE's 16 times too large) and x's scale and sum over the block (group g)."""
+        unit = T.Select(n == IN_PLACE, T.float32(1 / 16), T.float32(1))  # 16 ** -n for n <= IN_PLACE
+        sum_xq = d * unit * (T.Cast("float32", sum1) + T.Cast("float32", sum2) * T.float32(1 / SPLIT))
+        zero = T.bitwise_and(T.shift_right(qz[task, g // 2, word], 4 * n + g % 2 * 16), 15)
+        return T.Cast("float32", sc[g, column(task, n, word)]) * (
+            sum_xq - xs_sum * T.Cast("float32", zero))
 
     @T.macro
     def dots(acc, xw, term, w, task, rt, vt, pair):
-        for v in T.unroll(tile_vecs):
-            for n in T.unroll(PAIR_SLOTS):
-                for r in T.unroll(rows):
-                    acc[r, n, v, T.ramp(0, 1, lanes)] = T.call_extern(
-                        f"int32x{lanes}", DOT, acc[r, n, v, T.ramp(0, 1, lanes)], T.bitwise_and(
-                            T.shift_right(w[task, pair, T.ramp((vt * tile_vecs + v) * lanes, 1, lanes)],
-                                          T.broadcast(4 * n, lanes)), T.broadcast(PAIR_MASK, lanes)),
-                        T.broadcast(xw[rt * rows + r, term, pair], lanes))
+        for u in T.unroll(streams):
+            for v in T.unroll(tile_vecs):
+                for n in T.unroll(PAIR_SLOTS):
+                    for r in T.unroll(rows):
+                        acc[u, r, n, v, T.ramp(0, 1, lanes)] = T.call_extern(
+                            f"int32x{lanes}", DOT, acc[u, r, n, v, T.ramp(0, 1, lanes)], _pair_values(
+                                w[task * streams + u, pair, T.ramp((vt * tile_vecs + v) * lanes, 1, lanes)], n, lanes),
+                            T.broadcast(xw[rt * rows + r, term, pair], lanes))
 
     @T.macro
     def products(xs, qw, qz, sc, ys, first):
@@ -140,37 +176,36 @@ def awq_linear(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
         activations(xs, xq, scale, xsum)
         xw = T.decl_buffer((m, 2, k // 2), "int32", data=xq.data)  # an activation pair: one word
         flat = T.decl_buffer((tiles * pairs * words,), "int32", data=qw.data)
-        with T.attr(0, "pragma_import_llvm", dot_ir(lanes)):
-            for task in T.parallel(tiles):
-                sums = T.alloc_buffer((m, PAIR_SLOTS, vecs, lanes), "float32")
+        with T.attr(0, "pragma_import_llvm", dot_ir(lanes, vnni)):
+            for task in T.parallel(tiles // streams):
+                sums = T.alloc_buffer((streams, m, PAIR_SLOTS, vecs, lanes), "float32")
                 # the two terms' sums in buffers of their own, each at most 1 KiB: on the stack, so in registers
-                acc1 = T.alloc_buffer((rows, PAIR_SLOTS, tile_vecs, lanes), "int32")
-                acc2 = T.alloc_buffer((rows, PAIR_SLOTS, tile_vecs, lanes), "int32")
-                for r, n, v, lane in T.grid(m, PAIR_SLOTS, vecs, lanes):
-                    sums[r, n, v, lane] = T.float32(0)
+                acc1 = T.alloc_buffer((streams, rows, PAIR_SLOTS, tile_vecs, lanes), "int32")
+                acc2 = T.alloc_buffer((streams, rows, PAIR_SLOTS, tile_vecs, lanes), "int32")
+                for u, r, n, v, lane in T.grid(streams, m, PAIR_SLOTS, vecs, lanes):
+                    sums[u, r, n, v, lane] = T.float32(0)
                 for b, vt, rt in T.grid(k // block, vecs // tile_vecs, m // rows):
-                    for r, n, v in T.grid(rows, PAIR_SLOTS, tile_vecs):
+                    for u, r, n, v in T.grid(streams, rows, PAIR_SLOTS, tile_vecs):
                         for lane in T.vectorized(lanes):
-                            acc1[r, n, v, lane] = 0
-                            acc2[r, n, v, lane] = 0
+                            acc1[u, r, n, v, lane] = 0
+                            acc2[u, r, n, v, lane] = 0
                     for p in range(block_pairs):
                         if vt == 0 and rt == 0:
-                            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(flat[T.min(
-                                (task * pairs + b * block_pairs + p + PREFETCH_PAIRS) * words, tiles * pairs * words
-                                - 1)]), 0, 2, 1))
+                            for u in T.unroll(streams):
+                                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(flat[T.min(
+                                    ((task * streams + u) * pairs + b * block_pairs + p + PREFETCH_PAIRS) * words,
+                                    tiles * pairs * words - 1)]), 0, 2, 1))
                         dots(acc1, xw, 0, qw, task, rt, vt, b * block_pairs + p)
                         dots(acc2, xw, 1, qw, task, rt, vt, b * block_pairs + p)
-                    for r, n, v in T.grid(rows, PAIR_SLOTS, tile_vecs):
+                    for u, r, n, v in T.grid(streams, rows, PAIR_SLOTS, tile_vecs):
                         for lane in T.vectorized(lanes):
-                            sums[rt * rows + r, n, vt * tile_vecs + v, lane] = sums[
-                                rt * rows + r, n, vt * tile_vecs + v, lane] + T.Cast("float32", sc[
-                                    b * block // group, column(task, n, vt * tile_vecs + v, lane)]) * (
-                                scale[rt * rows + r, b] * (T.Cast("float32", acc1[r, n, v, lane]) + T.Cast(
-                                    "float32", acc2[r, n, v, lane]) * T.float32(1.0 / SPLIT))
-                                - xsum[rt * rows + r, b] * T.Cast("float32", T.bitwise_and(T.shift_right(
-                                    qz[task, b * block // group // 2, (vt * tile_vecs + v) * lanes + lane],
-                                    4 * n + b * block // group % 2 * 16), 15)))
-                for r, n, v, lane in T.grid(m, PAIR_SLOTS, vecs, lanes):
-                    ys[r, column(task, n, v, lane)] = first(column(task, n, v, lane)) + sums[r, n, v, lane]
+                            sums[u, rt * rows + r, n, vt * tile_vecs + v, lane] = sums[
+                                u, rt * rows + r, n, vt * tile_vecs + v, lane] + block_sum(
+                                acc1[u, r, n, v, lane], acc2[u, r, n, v, lane], scale[rt * rows + r, b],
+                                xsum[rt * rows + r, b], qz, sc, task * streams + u, b * block // group, n,
+                                (vt * tile_vecs + v) * lanes + lane)
+                for u, r, n, v, lane in T.grid(streams, m, PAIR_SLOTS, vecs, lanes):
+                    ys[r, column(task * streams + u, n, v * lanes + lane)] = first(column(
+                        task * streams + u, n, v * lanes + lane)) + sums[u, r, n, v, lane]
 
     return packed_linear_func(func, products)

@@ -205,8 +205,8 @@ def test_whole_model_with_dot_product_prefill_tracks_transformers(tmp_path):
     assert int(np.argmax(got)) == int(np.argmax(want))
 
 
-SAPPHIRE_RAPIDS_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16",
-                         "amx_tile", "amx_bf16"}
+SAPPHIRE_RAPIDS_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                         "avx512_fp16", "amx_tile", "amx_bf16"}
 
 
 @pytest.mark.parametrize("flags,path", [(SAPPHIRE_RAPIDS_FLAGS, "amx"),
