@@ -15,7 +15,7 @@ from tvm import te, tirx
 from tvm.script import tirx as T
 
 from ir import TensorType
-from ir.packing import AWQ_PACK, Packing, awq_slot, pair_position
+from ir.packing import AWQ_PACK, PAIR_SLOTS, Packing, awq_slot, pair_scale_index
 from schedules import stages
 
 F32 = "float32"
@@ -82,6 +82,9 @@ def linear(types, attrs) -> Kernel:
     k = te.reduce_axis((0, x.shape[1]), "k")
     y = te.compute((x.shape[0], w_type.shape[0]), lambda i, j: te.sum(x[i, k] * weight(j, k), axis=k),
                    name=stages.MATMUL)
+    if w_type.packing is not None and w_type.packing.kind == "awq_int4_pairs":  # y's columns in the layout's order
+        ordered, tile = y, int(w_parts[0].shape[2])
+        y = te.compute(y.shape, lambda i, j: ordered[i, pair_scale_index(j, tile)], name=stages.PAIR_COLUMNS)
     if bias:
         b = bias[0]
         y = te.compute(y.shape, lambda i, j: y[i, j] + _f32(b[j]), name="bias_add")
@@ -93,15 +96,16 @@ PART_NAMES = {None: ("weight",), "awq_int4": ("qweight", "qzeros", "scales"),
 
 
 def _unpacked(packing: Packing | None, parts: list):
-    """weight(j, k): element [j, k] of the logical weight matrix as float32, read from its parts."""
+    """weight(j, k): element [j, k] of the logical weight matrix as float32, read from its parts (of the pairs
+    layout: j in the layout's column order, ir.packing.pair_scale_index)."""
     if packing is None:
         return lambda j, k: _f32(parts[0][j, k])
     qweight, qzeros, scales = parts
     group, tile = packing.group, int(qweight.shape[2])
-    if packing.kind == "awq_int4_pairs":
+    if packing.kind == "awq_int4_pairs":  # j: a column in the layout's order (nibble, word of each tile)
         def value(words, j, row):  # the 4-bit value of (row, column j) of a pairs-layout tensor
-            t, pair, word, shift = pair_position(j, row, tile)
-            return tirx.bitwise_and(tirx.shift_right(words[t, pair, word], shift), 15)
+            t, n, word = j // (PAIR_SLOTS * tile), j // tile % PAIR_SLOTS, j % tile
+            return tirx.bitwise_and(tirx.shift_right(words[t, row // 2, word], row % 2 * 16 + n * 4), 15)
 
         return lambda j, k: (value(qweight, j, k) - value(qzeros, j, k // group)).astype(F32) * _f32(
             scales[k // group, j])

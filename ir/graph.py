@@ -104,8 +104,8 @@ WEIGHT_TRANSFORMS = {
     "copy": "the one source tensor as the checkpoint stores it",
     "flatten": "the one source tensor with its trailing dims flattened into one (a patch conv kernel as a matrix)",
     "awq_tiles": "AWQ qweight, qzeros, scales as stored, qweight regrouped into column tiles (ir.packing)",
-    "awq_pairs": "AWQ qweight and qzeros regrouped into words of two rows of four columns, scales as stored "
-                 "(ir.packing)",
+    "awq_pairs": "AWQ qweight and qzeros regrouped into words of two rows of four columns, scales reordered to "
+                 "match (ir.packing)",
 }
 
 

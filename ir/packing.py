@@ -14,13 +14,16 @@ GPU kernels read this layout.
 
 awq_int4_pairs (what CPU kernels read; a build for a CPU stores every awq_int4 weight so, `CPU_PACKINGS`): the
 same 4-bit values and the same number of bytes, regrouped once at load so that a word holds two input rows of
-four columns. In a column tile t of 4 * tile columns, word j of row pair p holds in bits 4n the value of row 2p
-and in bits 16 + 4n that of row 2p + 1, both of column 4 * tile * t + tile * n + j (n = 0..3):
+four columns. The low 16 bits of an AWQ word hold its even columns (8c, 8c + 2, 8c + 4, 8c + 6 in nibbles 0..3),
+the high 16 bits its odd ones; word j of row pair p of column tile t holds half j % 2 of AWQ word c = t * tile / 2
++ j // 2 of row 2p in its low 16 bits and the same half of row 2p + 1 in its high 16 bits, so its nibble n holds
+column 8c + 2n + j % 2 of both rows (a 16-bit interleave of the checkpoint's words, a copy at load):
     qweight int32 [out / (4 tile), in / 2, tile], qzeros int32 [out / (4 tile), ceil(in / group / 2), tile]
-(qzeros the same way, its groups as the rows), scales as stored. Shifting a vector of words right by 4n and
-masking it with 0x000F000F gives a vector of 16-bit pairs (row 2p, row 2p + 1) of `tile` neighbouring columns:
-the operand of the integer pair dot products (pmaddwd, vpdpwssd) with a pair of activations (schedules.cpu_awq).
-Groups are even, so a pair never straddles two.
+(qzeros the same way, its groups as the rows); scales [in / group, out] with each tile's 4 * tile columns in the
+order (nibble, word) (`pair_scale_index`), so the scales of one nibble of a vector of words are neighbours.
+Shifting a vector of words right by 4n and masking it with 0x000F000F gives a vector of 16-bit pairs (row 2p,
+row 2p + 1): the operand of the integer pair dot products (pmaddwd, vpdpwssd) with a pair of activations
+(schedules.cpu_awq). Groups are even, so a pair never straddles two.
 """
 
 from __future__ import annotations
@@ -104,11 +107,25 @@ def awq_tile_words(words: int) -> int:
 
 def pair_tile_words(out: int) -> int:
     """Words per column tile of the pairs layout for `out` columns: AWQ_TILE_WORDS, or the largest power of two below
-    it whose tile (PAIR_SLOTS columns a word) divides `out` (2 always does: `out` is a multiple of AWQ_PACK)."""
+    it whose tile (PAIR_SLOTS columns a word, two words an AWQ word) divides `out` (2 always does: `out` is a
+    multiple of AWQ_PACK)."""
     return next(t for t in (AWQ_TILE_WORDS, 8, 4, 2) if out % (PAIR_SLOTS * t) == 0)
 
 
 def pair_position(column, row, tile: int):
     """Where the value of (`row`, `column`) lies in the pairs layout of `tile` words a tile: (column tile, row pair,
     word, bit shift); plain arithmetic, so numpy arrays and TensorIR expressions take it too."""
-    return column // (PAIR_SLOTS * tile), row // 2, column % tile, column // tile % PAIR_SLOTS * 4 + row % 2 * 16
+    word, within = column // AWQ_PACK, column % AWQ_PACK
+    return (word // (tile // 2), row // 2, word % (tile // 2) * 2 + within % 2,
+            row % 2 * 16 + within // 2 * 4)
+
+
+def pair_scale_index(column, tile: int):
+    """Where column `column`'s scale lies in a row of the pairs layout's scales: tile by tile, (nibble, word)."""
+    t, _, word, shift = pair_position(column, 0, tile)
+    return (t * PAIR_SLOTS + shift // 4) * tile + word
+
+
+def pair_column(t, n, word, tile: int):
+    """The column of nibble n of word `word` of column tile t (the inverse of `pair_position`)."""
+    return (t * (tile // 2) + word // 2) * AWQ_PACK + 2 * n + word % 2

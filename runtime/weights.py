@@ -17,7 +17,7 @@ import tvm
 
 from ir.contract import ParamSpec
 from ir.errors import RudaWarning
-from ir.packing import AWQ_PACK, PAIR_SLOTS, awq_slot, awq_tile_words, pair_tile_words
+from ir.packing import PAIR_SLOTS, awq_tile_words, pair_tile_words
 from models.checkpoint import CheckpointError, TensorEntry
 
 from .cpu import HUGE_PAGE, ask_huge_pages
@@ -49,30 +49,31 @@ def awq_tiles(qweight: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(qweight.reshape(rows, words // tile, tile).transpose(1, 0, 2))
 
 
-def awq_values(words: np.ndarray) -> np.ndarray:
-    """AWQ words [rows, out / 8] -> their 4-bit values [rows, out] (uint8), columns in order."""
-    shifts = np.array([4 * awq_slot(c) for c in range(AWQ_PACK)], np.uint32)
-    return ((words.view(np.uint32)[:, :, None] >> shifts) & 15).astype(np.uint8).reshape(len(words), -1)
-
-
-def pair_words(values: np.ndarray) -> np.ndarray:
-    """4-bit values [rows, out] -> words of the pairs layout [out / (4 tile), ceil(rows / 2), tile] (ir.packing)."""
-    rows, out = values.shape
+def pair_words(words: np.ndarray, out: int) -> np.ndarray:
+    """AWQ words [rows, out / 8] -> words of the pairs layout [out / (4 tile), ceil(rows / 2), tile] (ir.packing): the
+    16-bit halves of rows 2p and 2p + 1 interleaved, one transposing copy."""
     tile = pair_tile_words(out)
-    if rows % 2:
-        values = np.concatenate([values, np.zeros((1, out), values.dtype)])
-    split = values.reshape(-1, 2, out // (PAIR_SLOTS * tile), PAIR_SLOTS, tile).astype(np.uint32)
-    halves, slots = np.arange(2, dtype=np.uint32), np.arange(PAIR_SLOTS, dtype=np.uint32)
-    shifts = (16 * halves[:, None] + 4 * slots)[:, None, :, None]  # [half, 1, slot, 1]: bits of (row half, nibble)
-    words = (split << shifts).sum(axis=(1, 3), dtype=np.uint32)  # the bits are disjoint: the sum is their OR
-    return np.ascontiguousarray(words.transpose(1, 0, 2)).view(np.int32)
+    if len(words) % 2:
+        words = np.concatenate([words, np.zeros((1, words.shape[1]), words.dtype)])
+    halves = words.view(np.uint16).reshape(-1, 2, out // (PAIR_SLOTS * tile), tile // 2, 2)  # [pair, row, t, c, half]
+    return np.ascontiguousarray(halves.transpose(2, 0, 3, 4, 1)).view(np.int32).reshape(
+        out // (PAIR_SLOTS * tile), -1, tile)
+
+
+def pair_scales(scales: np.ndarray) -> np.ndarray:
+    """Scales [groups, out] with each tile's columns in the pairs layout's order (ir.packing.pair_scale_index)."""
+    groups, out = scales.shape
+    tile = pair_tile_words(out)
+    split = scales.reshape(groups, out // (PAIR_SLOTS * tile), tile // 2, PAIR_SLOTS, 2)  # [g, t, c, nibble, half]
+    return np.ascontiguousarray(split.transpose(0, 1, 3, 2, 4)).reshape(groups, out)
 
 
 TRANSFORMS = {
     "copy": lambda arrays: arrays[:1],
     "flatten": lambda arrays: [arrays[0].reshape(arrays[0].shape[0], -1)],
     "awq_tiles": lambda arrays: [awq_tiles(arrays[0]), *arrays[1:]],
-    "awq_pairs": lambda arrays: [pair_words(awq_values(arrays[0])), pair_words(awq_values(arrays[1])), arrays[2]],
+    "awq_pairs": lambda arrays: [pair_words(arrays[0], arrays[2].shape[1]), pair_words(arrays[1], arrays[2].shape[1]),
+                                 pair_scales(arrays[2])],
 }
 """The weight map's transforms (ir.graph.WEIGHT_TRANSFORMS): source arrays -> the arrays the param is passed as."""
 

@@ -275,7 +275,12 @@ def _gemm(sch: s_tir.Schedule, block, lanes: int) -> None:
     sch.transform_layout(block, ("write", 0), lambda r, c: (c, r))
     sch.reverse_compute_at(out, j_task)
     for consumer in sch.get_consumers(out):
-        sch.reverse_compute_at(consumer, j_task)
+        if sch.get(consumer).name_hint == stages.PAIR_COLUMNS:  # a whole pass of its own, after the product
+            for later in sch.get_consumers(consumer):
+                sch.reverse_compute_inline(later)
+            _spatial(sch, consumer, lanes)
+        else:
+            sch.reverse_compute_at(consumer, j_task)
     _transposed_activations(sch, block, tile_rows, lanes)
     unpack = stages.find(sch, stages.DEQUANT)
     if unpack is not None:
@@ -310,7 +315,8 @@ def _widened_weights(sch: s_tir.Schedule, block, k_block, lanes: int) -> None:
 
 def _unpacked_weights(sch: s_tir.Schedule, unpack, k_block, lanes: int) -> None:
     """Unpack a task's packed weights (ir.packing) to float32 once per depth block, for every row to reuse, a vector
-    of neighbouring columns at a time: in the pairs layout their words are neighbours too (one vector load)."""
+    of neighbouring columns at a time (of the pairs layout: in its order, so their words are neighbours too, one
+    vector load)."""
     sch.transform_layout(unpack, ("write", 0), lambda col, depth: (depth, col))  # columns contiguous: vector stores
     sch.compute_at(unpack, k_block)
     col, depth = sch.get_loops(unpack)[-2:]

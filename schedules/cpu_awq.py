@@ -2,10 +2,11 @@
 values, the activations split into two 16-bit integers each.
 
 The weights come in the pairs layout (ir.packing awq_int4_pairs): a word holds input rows 2p and 2p + 1 of four
-columns, and `(word >> 4n) & 0x000F000F` is a vector of 16-bit pairs of `tile` neighbouring columns. pmaddwd
-(vpdpwssd where LLVM prefers it, as on AMD Zen 4 and 5) multiplies such a vector with a pair of 16-bit activations
-and adds both products to 32-bit sums: two instructions for 2 x `lanes` weights, where unpacking each value to
-float32 for an FMA took three for `lanes`.
+columns, and `(word >> 4n) & 0x000F000F` of a vector of words is a vector of 16-bit pairs of as many columns,
+whose scales lie side by side. vpdpwssd (AVX512-VNNI; else pmaddwd and an add) multiplies it with a pair of
+16-bit activations and adds both products to 32-bit sums: one instruction for 2 x `lanes` weights, where
+unpacking each value to float32 for an FMA took three for `lanes`. A task's sums end in the layout's column order
+and are written to their own columns (ir.packing.pair_column).
 
 The activations are made integers once per call, per block of X_BLOCK input rows (an even divisor of the group):
 with d = max |x| / 32767 over the block, x = d * (x1 + x2 / 2 ** 15) + e, x1 = round(x / d) and x2 = round((x / d
@@ -29,7 +30,7 @@ from math import gcd
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ir.packing import PAIR_SLOTS
+from ir.packing import PAIR_SLOTS, pair_column
 
 from .written import packed_linear_func
 
@@ -144,8 +145,8 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
     block_pairs = block // 2
     activations = _integer_activations(block, lanes)
 
-    def column(task, n, word):
-        """The output column of nibble n of word `word` of a column tile."""
+    def scale_at(task, n, word):
+        """Where the scale of nibble n of word `word` of a column tile lies in a row of scales (ir.packing)."""
         return (task * PAIR_SLOTS + n) * words + word
 
     def block_sum(sum1, sum2, d, xs_sum, qz, sc, task, g, n, word):
@@ -154,7 +155,7 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
         unit = T.Select(n == IN_PLACE, T.float32(1 / 16), T.float32(1))  # 16 ** -n for n <= IN_PLACE
         sum_xq = d * unit * (T.Cast("float32", sum1) + T.Cast("float32", sum2) * T.float32(1 / SPLIT))
         zero = T.bitwise_and(T.shift_right(qz[task, g // 2, word], 4 * n + g % 2 * 16), 15)
-        return T.Cast("float32", sc[g, column(task, n, word)]) * (
+        return T.Cast("float32", sc[g, scale_at(task, n, word)]) * (
             sum_xq - xs_sum * T.Cast("float32", zero))
 
     @T.macro
@@ -205,7 +206,7 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
                                 xsum[rt * rows + r, b], qz, sc, task * streams + u, b * block // group, n,
                                 (vt * tile_vecs + v) * lanes + lane)
                 for u, r, n, v, lane in T.grid(streams, m, PAIR_SLOTS, vecs, lanes):
-                    ys[r, column(task * streams + u, n, v * lanes + lane)] = first(column(
-                        task * streams + u, n, v * lanes + lane)) + sums[u, r, n, v, lane]
+                    ys[r, pair_column(task * streams + u, n, v * lanes + lane, words)] = first(pair_column(
+                        task * streams + u, n, v * lanes + lane, words)) + sums[u, r, n, v, lane]
 
     return packed_linear_func(func, products)

@@ -12,6 +12,7 @@ from tvm import s_tir, tirx
 
 MATMUL = "matmul"  # linear: the product's reduction
 DEQUANT = "dequantise"  # linear of a packed weight: the weight unpacked (a tile at a time, or inlined into the product)
+PAIR_COLUMNS = "pair_columns"  # linear of a weight in the pairs layout: its product's columns put in their places
 NORM = "rms_norm"  # rms_norm / add_rms_norm: the normalised output (its producers: sum of squares, residual sum)
 SCORES, MASKED, ROW_MAX, EXP, ROW_SUM, WEIGHTED, ATTENTION = (
     "scores", "masked", "row_max", "exp", "row_sum", "weighted", "attention")  # attention's softmax pipeline

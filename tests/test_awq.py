@@ -19,12 +19,12 @@ import models
 from compiler.kernels import make_kernel
 from compiler.target import cpu_target
 from ir import IRError, Packing, TensorType, infer_types
-from ir.packing import pair_position, pair_tile_words
+from ir.packing import pair_column, pair_position, pair_scale_index, pair_tile_words
 from models.checkpoint import CheckpointError
 from models.tiny import awq_pack, awq_quantize, tiny_config, write_tiny_checkpoint
 from runtime import (CompiledModel, GreedyGenerationConfig, load_huggingface_awq_qwen2_pipeline,
                      load_huggingface_llama_pipeline, load_huggingface_qwen2_pipeline, load_pipeline)
-from runtime.weights import TRANSFORMS, pair_words
+from runtime.weights import TRANSFORMS, pair_scales, pair_words
 from schedules.cpu import schedule
 from schedules.cpu_awq import awq_linear
 
@@ -209,16 +209,22 @@ def test_integer_pair_dot_products_are_the_instructions_used(mcpu):
 
 
 def test_pairs_layout_holds_each_value_where_pair_position_says():
+    """The CPU layout of a packed weight, read back by the documented column order and `pair_position`."""
     rng = np.random.default_rng(3)
-    values = rng.integers(0, 16, (6, 40), dtype=np.uint8)
-    words = pair_words(values)
-    tile = pair_tile_words(40)
-    assert words.shape == (40 // (4 * tile), 3, tile) and words.dtype == np.int32
-    for row in range(6):
-        for column in range(40):
-            t, pair, word, shift = pair_position(column, row, tile)
-            assert (int(words.view(np.uint32)[t, pair, word]) >> shift) & 15 == values[row, column]
-    assert (pair_words(values[:5]) == np.where(np.arange(3)[None, :, None] == 2, words & 0xFFFF, words)).all()
+    for rows, out in [(6, 40), (5, 128), (4, 64)]:  # 2-word tiles; an odd row count (padded); one 16-word tile
+        words = rng.integers(-2 ** 31, 2 ** 31, (rows, out // 8), dtype=np.int64).astype(np.int32)
+        values, tile = unpack(words, out), pair_tile_words(out)
+        paired = pair_words(words, out).view(np.uint32)
+        assert paired.shape == (out // (4 * tile), (rows + 1) // 2, tile)
+        for row in range(rows):
+            for column in range(out):
+                t, pair, word, shift = pair_position(column, row, tile)
+                assert (int(paired[t, pair, word]) >> shift) & 15 == values[row, column]
+                assert pair_column(t, shift % 16 // 4, word, tile) == column
+        if rows % 2:
+            assert not (paired[:, -1] >> 16).any()  # the padding row: zeros
+        scales = rng.standard_normal((2, out)).astype(np.float16)
+        assert all((pair_scales(scales)[:, pair_scale_index(c, tile)] == scales[:, c]).all() for c in range(out))
 
 
 CASES = {
