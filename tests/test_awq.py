@@ -162,7 +162,7 @@ LAYOUTS = {"cpu": ("awq_int4_pairs", None), "cpu-avx2": ("awq_int4_pairs", "x86-
 
 
 def _activations(rng, rows, inp):
-    """Rows of x with what the integer activations must survive: a block of zeros, an outlier 1e4 times the rest."""
+    """Rows of x with what the integer activations must survive: a block of zeros, an outlier 3e4 times the rest."""
     x = rng.standard_normal((rows, inp)).astype(np.float32)
     x[:, 64:128] = 0
     x[-1, 130] = 3e4
