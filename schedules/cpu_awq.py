@@ -41,13 +41,18 @@ PAIR_MASK = 0x000F000F  # one 4-bit value in each 16-bit half of a word
 DOT = "ruda_pmaddwd"
 
 
+def pair_dot(lanes: int, vnni: bool) -> str:
+    """The instruction of the pair dot products on a CPU of `lanes` float32 lanes, with AVX512-VNNI or not."""
+    return "vpdpwssd" if vnni and lanes == 16 else "pmaddwd"
+
+
 def dot_ir(lanes: int, vnni: bool) -> str:
     """LLVM IR of `acc + pmaddwd(a, b)` on `lanes` 32-bit lanes (AVX-512: 16, AVX2: 8): one vpdpwssd where the CPU
     has AVX512-VNNI, else pmaddwd and an add. vpdpwssd is written as inline assembly: LLVM turns its intrinsic
     into pmaddwd and an add, and on Intel CPUs fuses only some of them back (one more instruction per product on
     the port that the products are bound by; the Xeon of docs/performance.md: 1.3x slower in cache)."""
     pairs, sums = f"<{2 * lanes} x i16>", f"<{lanes} x i32>"
-    if vnni and lanes == 16:
+    if pair_dot(lanes, vnni) == "vpdpwssd":
         declare = ""
         body = f'%sum = call {sums} asm "vpdpwssd $2, $1, $0", "=v,v,v,0"({pairs} %a16, {pairs} %b16, {sums} %acc)'
     else:

@@ -56,6 +56,7 @@ def test_an_engine_that_cannot_open_is_a_row_with_the_reason():
 def test_the_cpu_description_names_the_simd_width_and_the_bf16_path():
     text = cpu_description()
     assert "LLVM mcpu" in text and "float32 lanes" in text and "bfloat16 products:" in text
+    assert "AWQ decode products: vpdpwssd)" in text or "AWQ decode products: pmaddwd)" in text
 
 
 @pytest.mark.parametrize("rounds", [1, 3])
