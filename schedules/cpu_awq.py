@@ -146,7 +146,8 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
     vecs = words // lanes
     budget = 16 if lanes >= 16 else 8
     rows, tile_vecs = _tile(m, vecs, budget)
-    streams = next(u for u in (2, 1) if tiles % u == 0 and u * 2 * rows * PAIR_SLOTS * tile_vecs <= budget)
+    fits = 2 * 2 * rows * PAIR_SLOTS * tile_vecs <= budget  # two tiles' sums in half the SIMD registers
+    streams = 2 if fits and tiles % 4 == 0 else 1  # tasks of two tiles, still an even number: two cores stay balanced
     block_pairs = block // 2
     activations = _integer_activations(block, lanes)
 

@@ -172,7 +172,8 @@ def _activations(rng, rows, inp):
 @pytest.mark.parametrize("layout,rows", [(layout, rows) for layout in LAYOUTS for rows in (1, 3, 8, 16, 32)
                                          if layout != "cpu-avx2" or rows <= 3])  # AVX2: its 8-lane kernel
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("out", [40, 384])  # pairs layout: 2-word tiles (too narrow for SIMD); six of 16 words
+@pytest.mark.parametrize("out", [40, 384, 512])  # pairs layout: 2-word tiles (too narrow for SIMD); 6 and 8 tiles
+# of 16 words (one row: a tile a task; two a task)
 def test_packed_linear_kernel_matches_numpy(rows, bias, out, layout):
     """Each layout's kernel (the GPU's: its definition, run here) against the independent dequantiser; rows of 16 or
     fewer, and rows no multiple of the SIMD width, take the integer dot products on a CPU."""
