@@ -12,15 +12,16 @@ The activations are made integers once per call, per block of X_BLOCK input rows
 with d = max |x| / 32767 over the block, x = d * (x1 + x2 / 2 ** 15) + e, x1 = round(x / d) and x2 = round((x / d
 - x1) * 2 ** 15) both 16-bit, |e| <= d / 2 ** 16: within 5e-10 of the block's largest value, so the products stay
 as close to float32 ones as float32 sums are to exact ones. Each of x1 and x2 has its own integer sums (at most
-X_BLOCK * 32767 * 15 < 2 ** 31: no overflow); at a block's end they become float32, and with the block's x sum
+X_BLOCK * 32767 * 15 * 16 < 2 ** 31, nibble 1's factor below included: no overflow); at a block's end they become float32, and with the block's x sum
 the zero points and scales are applied: over a group, sum x * (q - z) * s = s * (sum x * q - z * sum x).
 
 Extracting the pairs of nibble n costs one operation for three of the four: nibble 0 is masked where it lies,
 nibble 1 too (16 times its value, undone after the block), nibble 3 is a 16-bit shift alone; nibble 2 is shifted
-and masked. A task owns a column tile, or two where the registers hold both tiles' sums (one row: two
-contiguous streams of words a core, 1.04x faster from memory than one), and streams its words, `tile` words a row
-pair; the accumulators (tiles x terms x rows x the four column vectors of a word x vectors) are at most half the
-SIMD registers, and the rows loop in passes, so the same kernel serves any number of rows.
+and masked. A task owns a column tile, or two where the registers hold both tiles' sums and the tasks stay an
+even number (one row: two contiguous streams of words a core, 1.04x faster from memory than one), and streams its
+words, `tile` words a row pair; the accumulators (tiles x terms x rows x the four column vectors of a word x
+vectors) are at most half the SIMD registers, and the rows loop in passes, so the same kernel serves any number
+of rows.
 """
 
 from __future__ import annotations
