@@ -102,8 +102,8 @@ def _unpacked(packing: Packing | None, parts: list):
         return lambda j, k: _f32(parts[0][j, k])
     qweight, qzeros, scales = parts
     group, tile = packing.group, int(qweight.shape[2])
-    if packing.kind == "awq_int4_pairs":  # j: a column in the layout's order (nibble, word of each tile)
-        def value(words, j, row):  # the 4-bit value of (row, column j) of a pairs-layout tensor
+    if packing.kind == "awq_int4_pairs":  # j: a position in the layout's column order (ir.packing.pair_order)
+        def value(words, j, row):  # the 4-bit value of row `row` at position j of a pairs-layout tensor
             t, n, word = j // (PAIR_SLOTS * tile), j // tile % PAIR_SLOTS, j % tile
             return tirx.bitwise_and(tirx.shift_right(words[t, row // 2, word], row % 2 * 16 + n * 4), 15)
 

@@ -120,10 +120,16 @@ def pair_position(column, row, tile: int):
             row % 2 * 16 + within // 2 * 4)
 
 
+def pair_order(t, n, word, tile: int):
+    """The position of nibble n of word `word` of column tile t in the layout's column order (tile by tile,
+    (nibble, word)): the order of the scales and of a product's columns before they are put in place."""
+    return (t * PAIR_SLOTS + n) * tile + word
+
+
 def pair_scale_index(column, tile: int):
-    """Where column `column`'s scale lies in a row of the pairs layout's scales: tile by tile, (nibble, word)."""
+    """Where column `column`'s scale lies in a row of the pairs layout's scales (`pair_order`)."""
     t, _, word, shift = pair_position(column, 0, tile)
-    return (t * PAIR_SLOTS + shift // 4) * tile + word
+    return pair_order(t, shift // 4, word, tile)
 
 
 def pair_column(t, n, word, tile: int):

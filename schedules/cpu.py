@@ -14,7 +14,6 @@ import tvm.sym
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
-
 from . import stages
 from .amx import amx_gemm
 from .avx512_bf16 import dpbf16_gemm

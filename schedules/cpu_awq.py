@@ -12,8 +12,9 @@ The activations are made integers once per call, per block of X_BLOCK input rows
 with d = max |x| / 32767 over the block, x = d * (x1 + x2 / 2 ** 15) + e, x1 = round(x / d) and x2 = round((x / d
 - x1) * 2 ** 15) both 16-bit, |e| <= d / 2 ** 16: within 5e-10 of the block's largest value, so the products stay
 as close to float32 ones as float32 sums are to exact ones. Each of x1 and x2 has its own integer sums (at most
-X_BLOCK * 32767 * 15 * 16 < 2 ** 31, nibble 1's factor below included: no overflow); at a block's end they become float32, and with the block's x sum
-the zero points and scales are applied: over a group, sum x * (q - z) * s = s * (sum x * q - z * sum x).
+X_BLOCK * 32767 * 15 * 16 < 2 ** 31, nibble 1's factor below included: no overflow); at a block's end they become
+float32, and with the block's x sum the zero points and scales are applied: over a group, sum x * (q - z) * s =
+s * (sum x * q - z * sum x).
 
 Extracting the pairs of nibble n costs one operation for three of the four: nibble 0 is masked where it lies,
 nibble 1 too (16 times its value, undone after the block), nibble 3 is a 16-bit shift alone; nibble 2 is shifted
@@ -31,7 +32,7 @@ from math import gcd
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ir.packing import PAIR_SLOTS, pair_column
+from ir.packing import PAIR_SLOTS, pair_column, pair_order
 
 from .written import packed_linear_func
 
@@ -90,11 +91,16 @@ def x_block(group: int) -> int:
     return max(b for b in range(2, min(group, X_BLOCK) + 1, 2) if group % b == 0)
 
 
+def _accumulators(rows: int, vecs: int) -> int:
+    """SIMD registers the sums of one column tile take: two terms x rows x PAIR_SLOTS x vectors."""
+    return 2 * rows * PAIR_SLOTS * vecs
+
+
 def _tile(rows: int, vecs: int, budget: int) -> tuple[int, int]:
-    """(rows, vectors) of the accumulator tile: two terms x rows x PAIR_SLOTS x vectors within `budget`, the fewest
-    loads (a word vector per vector, two activation pairs per row) per dot product."""
+    """(rows, vectors) of the accumulator tile: `_accumulators` within `budget`, the fewest loads (a word vector per
+    vector, two activation pairs per row) per dot product."""
     options = [(r, v) for r in range(1, rows + 1) for v in range(1, vecs + 1)
-               if rows % r == 0 and vecs % v == 0 and 2 * r * PAIR_SLOTS * v <= budget]
+               if rows % r == 0 and vecs % v == 0 and _accumulators(r, v) <= budget]
     return min(options, key=lambda t: ((t[1] + 2 * t[0]) / (t[0] * t[1]), -t[0]))
 
 
@@ -147,14 +153,10 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
     vecs = words // lanes
     budget = 16 if lanes >= 16 else 8
     rows, tile_vecs = _tile(m, vecs, budget)
-    fits = 2 * 2 * rows * PAIR_SLOTS * tile_vecs <= budget  # two tiles' sums in half the SIMD registers
+    fits = 2 * _accumulators(rows, tile_vecs) <= budget  # two tiles' sums in half the SIMD registers
     streams = 2 if fits and tiles % 4 == 0 else 1  # tasks of two tiles, still an even number: two cores stay balanced
     block_pairs = block // 2
     activations = _integer_activations(block, lanes)
-
-    def scale_at(task, n, word):
-        """Where the scale of nibble n of word `word` of a column tile lies in a row of scales (ir.packing)."""
-        return (task * PAIR_SLOTS + n) * words + word
 
     def block_sum(sum1, sum2, d, xs_sum, qz, sc, task, g, n, word):
         """A block's sum of x * (q - z) * s for the column of `word` in nibble n, from its integer sums of x1 * q
@@ -162,7 +164,7 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
         unit = T.Select(n == IN_PLACE, T.float32(1 / 16), T.float32(1))  # 16 ** -n for n <= IN_PLACE
         sum_xq = d * unit * (T.Cast("float32", sum1) + T.Cast("float32", sum2) * T.float32(1 / SPLIT))
         zero = T.bitwise_and(T.shift_right(qz[task, g // 2, word], 4 * n + g % 2 * 16), 15)
-        return T.Cast("float32", sc[g, scale_at(task, n, word)]) * (
+        return T.Cast("float32", sc[g, pair_order(task, n, word, words)]) * (
             sum_xq - xs_sum * T.Cast("float32", zero))
 
     @T.macro
