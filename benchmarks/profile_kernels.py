@@ -73,7 +73,8 @@ def main() -> None:
         attrs = json.loads(sig.attrs_json)
         kernel = make_kernel(sig.kind, list(sig.types), attrs, target.lanes)
         lib = tvm.compile(cpu.schedule(kernel.func, sig.kind, attrs, target), target.tvm_target())
-        inputs = [_random_input(name, t, rng, args.tokens) for name, t in zip(OPS[sig.kind].inputs + OPS[sig.kind].optional_inputs, sig.types)]
+        inputs = [_random_input(name, part, rng, args.tokens) for name, t in zip(
+            OPS[sig.kind].inputs + OPS[sig.kind].optional_inputs, sig.types) for part in t.parts()]
         call = [x if isinstance(x, int) else tvm.runtime.tensor(x, dev) for x in inputs]
         call += [tvm.runtime.tensor(c, dev) for c in kernel.constants]
         outs = infer_types(sig.kind, list(sig.types), attrs)

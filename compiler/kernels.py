@@ -15,7 +15,7 @@ from tvm import te, tirx
 from tvm.script import tirx as T
 
 from ir import TensorType
-from ir.packing import AWQ_PACK, PAIR_SLOTS, Packing, awq_slot, pair_scale_index
+from ir.packing import AWQ_PACK, PAIR_SLOTS, Packing, awq_slot, pair_index, pair_scale
 from schedules import stages
 
 F32 = "float32"
@@ -84,7 +84,7 @@ def linear(types, attrs) -> Kernel:
                    name=stages.MATMUL)
     if w_type.packing is not None and w_type.packing.kind == "awq_int4_pairs":  # y's columns in the layout's order
         ordered, tile = y, int(w_parts[0].shape[2])
-        y = te.compute(y.shape, lambda i, j: ordered[i, pair_scale_index(j, tile)], name=stages.PAIR_COLUMNS)
+        y = te.compute(y.shape, lambda i, j: ordered[i, pair_index(j, tile)], name=stages.PAIR_COLUMNS)
     if bias:
         b = bias[0]
         y = te.compute(y.shape, lambda i, j: y[i, j] + _f32(b[j]), name="bias_add")
@@ -97,7 +97,7 @@ PART_NAMES = {None: ("weight",), "awq_int4": ("qweight", "qzeros", "scales"),
 
 def _unpacked(packing: Packing | None, parts: list):
     """weight(j, k): element [j, k] of the logical weight matrix as float32, read from its parts (of the pairs
-    layout: j in the layout's column order, ir.packing.pair_scale_index)."""
+    layout: j in the layout's column order, ir.packing.pair_index)."""
     if packing is None:
         return lambda j, k: _f32(parts[0][j, k])
     qweight, qzeros, scales = parts
@@ -108,7 +108,7 @@ def _unpacked(packing: Packing | None, parts: list):
             return tirx.bitwise_and(tirx.shift_right(words[t, row // 2, word], row % 2 * 16 + n * 4), 15)
 
         return lambda j, k: (value(qweight, j, k) - value(qzeros, j, k // group)).astype(F32) * _f32(
-            scales[k // group, j])
+            scales[pair_scale(j, k // group, tile)])
 
     def nibble(word, j):  # column j lies in nibble slot awq_slot(j % 8) of its word
         return tirx.bitwise_and(tirx.shift_right(word, awq_slot(j % AWQ_PACK) * 4), 15)

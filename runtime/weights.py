@@ -61,11 +61,11 @@ def pair_words(words: np.ndarray, out: int) -> np.ndarray:
 
 
 def pair_scales(scales: np.ndarray) -> np.ndarray:
-    """Scales [groups, out] with each tile's columns in the pairs layout's order (ir.packing.pair_scale_index)."""
+    """Scales [groups, out] -> the pairs layout's [out / (4 tile), groups, 4 tile] (ir.packing.pair_scale)."""
     groups, out = scales.shape
     tile = pair_tile_words(out)
     split = scales.reshape(groups, out // (PAIR_SLOTS * tile), tile // 2, PAIR_SLOTS, 2)  # [g, t, c, nibble, half]
-    return np.ascontiguousarray(split.transpose(0, 1, 3, 2, 4)).reshape(groups, out)
+    return np.ascontiguousarray(split.transpose(1, 0, 3, 2, 4)).reshape(-1, groups, PAIR_SLOTS * tile)
 
 
 TRANSFORMS = {

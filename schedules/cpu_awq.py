@@ -32,7 +32,7 @@ from math import gcd
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ir.packing import PAIR_SLOTS, pair_column, pair_order
+from ir.packing import PAIR_SLOTS, pair_column, pair_order, pair_scale
 
 from .written import packed_linear_func
 
@@ -146,7 +146,7 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
     x_buf, q_buf, z_buf, s_buf = func.params[:4]
     m, k = (int(d) for d in x_buf.shape)
     tiles, pairs, words = (int(d) for d in q_buf.shape)
-    groups = int(s_buf.shape[0])
+    groups = int(s_buf.shape[1])  # scales [tiles, groups, 4 tile]
     group, block = k // groups, x_block(k // groups)
     if words % lanes or lanes not in (8, 16):
         return None
@@ -164,7 +164,7 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
         unit = T.Select(n == IN_PLACE, T.float32(1 / 16), T.float32(1))  # 16 ** -n for n <= IN_PLACE
         sum_xq = d * unit * (T.Cast("float32", sum1) + T.Cast("float32", sum2) * T.float32(1 / SPLIT))
         zero = T.bitwise_and(T.shift_right(qz[task, g // 2, word], 4 * n + g % 2 * 16), 15)
-        return T.Cast("float32", sc[g, pair_order(task, n, word, words)]) * (
+        return T.Cast("float32", sc[pair_scale(pair_order(task, n, word, words), g, words)]) * (
             sum_xq - xs_sum * T.Cast("float32", zero))
 
     @T.macro

@@ -30,7 +30,7 @@ def packed_linear_func(func: tirx.PrimFunc, products) -> tirx.PrimFunc:
     """As `linear_func`, for a `linear` kernel with a packed weight (x, qweight, qzeros, scales, optional bias, y):
     the body is `products(x, qweight, qzeros, scales, y, first)`."""
     x_buf, q_buf, z_buf, s_buf, *rest = func.params
-    (m, k), n = (int(d) for d in x_buf.shape), int(s_buf.shape[1])
+    (m, k), n = (int(d) for d in x_buf.shape), int(rest[-1].shape[1])  # y [m, n]
     q_shape, z_shape, s_shape, s_dtype = tuple(q_buf.shape), tuple(z_buf.shape), tuple(s_buf.shape), s_buf.dtype
     if not rest[:-1]:
         @T.prim_func(check_well_formed=False)

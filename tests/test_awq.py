@@ -19,7 +19,7 @@ import models
 from compiler.kernels import make_kernel
 from compiler.target import cpu_target
 from ir import IRError, Packing, TensorType, infer_types
-from ir.packing import pair_column, pair_position, pair_scale_index, pair_tile_words
+from ir.packing import pair_column, pair_index, pair_position, pair_scale, pair_tile_words
 from models.checkpoint import CheckpointError
 from models.tiny import awq_pack, awq_quantize, tiny_config, write_tiny_checkpoint
 from runtime import (CompiledModel, GreedyGenerationConfig, load_huggingface_awq_qwen2_pipeline,
@@ -145,7 +145,7 @@ def test_packed_types_are_checked_by_the_verifier():
     wide = TensorType((1024, 64), "float16", Packing("awq_int4", 32))
     assert str(wide.parts()[0]) == "int32[8, 64, 16]"  # 128 words a row: tiles of a 64-byte line
     pairs = TensorType((1024, 64), "float16", Packing("awq_int4_pairs", 32))
-    assert [str(t) for t in pairs.parts()] == ["int32[16, 32, 16]", "int32[16, 1, 16]", "float16[2, 1024]"]
+    assert [str(t) for t in pairs.parts()] == ["int32[16, 32, 16]", "int32[16, 1, 16]", "float16[16, 2, 64]"]
     x = TensorType((3, 64), "float32")
     with pytest.raises(IRError, match="group 31 is odd"):
         infer_types("linear", [TensorType((3, 62), "float32"),
@@ -225,7 +225,8 @@ def test_pairs_layout_holds_each_value_where_pair_position_says():
         if rows % 2:
             assert not (paired[:, -1] >> 16).any()  # the padding row: zeros
         scales = rng.standard_normal((2, out)).astype(np.float16)
-        assert all((pair_scales(scales)[:, pair_scale_index(c, tile)] == scales[:, c]).all() for c in range(out))
+        laid = pair_scales(scales)
+        assert all(laid[pair_scale(pair_index(c, tile), g, tile)] == scales[g, c] for g in range(2) for c in range(out))
 
 
 CASES = {
@@ -274,7 +275,8 @@ def test_weights_stay_packed_in_memory_and_the_manifest_records_the_quantisation
         group = inp if config["group_size"] == -1 else config["group_size"]
         tile = next(t for t in (16, 8, 4, 2) if out % (4 * t) == 0)
         assert p.packing == f"awq_int4_pairs(g{group})" and p.transform == "awq_pairs"  # the CPU layout
-        assert (out // 4 // tile, inp // 2, tile, "int32") in held and (inp // group, out, "float16") in held
+        assert (out // 4 // tile, inp // 2, tile, "int32") in held
+        assert (out // 4 // tile, inp // group, 4 * tile, "float16") in held
     floats = {shape[:2] for shape in held if shape[-1] != "int32"}
     assert not any((p.shape[0], p.shape[1]) in floats for p in packed if p.shape[0] != p.shape[1])
 

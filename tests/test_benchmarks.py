@@ -67,3 +67,15 @@ def test_every_engine_gets_every_round(monkeypatch, rounds):
         opened = [cpu_generate.open_engine(stack, engine(n, calls), "s", None, [1], 1, n) for n in "xy"]
         cpu_generate.run_rounds(opened, tokens=2, rounds=rounds)
     assert calls == ["x", "y"] * rounds
+
+
+def test_the_kernel_profiler_times_every_kernel_of_a_packed_model(tmp_path, monkeypatch, capsys):
+    """benchmarks.profile_kernels passes a packed weight's parts (it once passed the packed type as one array)."""
+    from benchmarks import profile_kernels
+    from models.tiny import write_tiny_checkpoint
+
+    model_dir = write_tiny_checkpoint(tmp_path / "model", arch="qwen2", awq_group_size=32)
+    monkeypatch.setattr("sys.argv", ["profile_kernels", "--model-dir", str(model_dir), "--tokens", "1"])
+    profile_kernels.main()
+    table = capsys.readouterr().out
+    assert "awq_int4_pairs(g32)" in table and "total (step, 1 token(s)" in table
