@@ -13,6 +13,8 @@ that the sequence's block table names.
 
 from __future__ import annotations
 
+import operator
+
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -22,6 +24,8 @@ from tvm.script import tirx as T
 # in registers; larger ones, and any in "local" scope, become heap workspace that every FMA reads and writes.
 POSITIONS = 7  # positions scored per step, each with its own accumulators (7 x 2 row vectors)
 OUT_ROWS = 2  # query rows summed per step of the weighted sum, times up to 4 vectors of the head dimension
+ROW_POSITIONS = 8  # positions a single row scores per step, each with its own accumulator (divides `lanes`)
+WEIGHTED_SETS = 2  # independent sums of a single row's weighted values, for short head dimensions
 
 
 def steps(seen):
@@ -114,47 +118,81 @@ def _block_macro(shape: _Shape):
     return rows_block
 
 
+def _horizontal(vector, lanes: int, combine):
+    """`combine` over the lanes of a vector, as a tree of halves (log2(lanes) steps, not lanes - 1)."""
+    while lanes > 2:
+        lanes //= 2
+        vector = combine(T.vectorlow(f"float32x{lanes}", vector), T.vectorhigh(f"float32x{lanes}", vector))
+    return combine(tirx.Shuffle([vector], [0]), tirx.Shuffle([vector], [1]))
+
+
 def _row_macro(shape: _Shape):
-    """The macro computing one head of one query row t, seeing positions [0, last]: a vector dot product per
-    position (the head dimension in lanes, one horizontal sum each), then the weighted sum of values."""
-    lanes, dim, span, scale = shape.lanes, shape.dim, shape.span, shape.scale
+    """The macro computing one head of one query row t, seeing positions [0, last]: ROW_POSITIONS dot products at a
+    time (the head dimension in lanes, each position its own accumulators, each sum of lanes a tree of halves), the
+    softmax over vectors of positions, then the weighted sum of values with WEIGHTED_SETS independent sums (one
+    chain of FMAs waits on each one's latency). Positions past `last` read position `last` again; the mask drops
+    them."""
+    lanes, dim, scale = shape.lanes, shape.dim, shape.scale
     chunks = dim // lanes
+    span = (shape.history // lanes + 1) * lanes  # whole vectors of positions, one more for the weighted sum's pairs
+    sets = WEIGHTED_SETS if chunks < 8 else 1  # 8 or more vectors of the head dimension are chains enough
+    lowest = T.min_value("float32")
 
     @T.macro
     def one_row(q, out, keys, values, h, kv, t, last, base):
         s = T.alloc_buffer((span,), "float32")
         qs = T.alloc_buffer((chunks, lanes), "float32")
-        acc = T.alloc_buffer((lanes,), "float32")
-        out_acc = T.alloc_buffer((chunks, lanes), "float32")
+        acc = T.alloc_buffer((ROW_POSITIONS, lanes), "float32")  # under 1 KiB, indexed in unrolled loops: registers
+        offsets = T.alloc_buffer((ROW_POSITIONS,), "int32")
+        best = T.alloc_buffer((lanes,), "float32")
+        sums = T.alloc_buffer((lanes,), "float32")
+        out_acc = T.alloc_buffer((sets, chunks, lanes), "float32")
         top = T.alloc_buffer((1,), "float32")
         total = T.alloc_buffer((1,), "float32")
         for c in range(chunks):
             for lane in T.vectorized(lanes):
                 qs[c, lane] = q[t, h * dim + c * lanes + lane] * T.float32(scale)
-        top[0] = T.min_value("float32")
-        for j in range(last + 1):
-            for lane in T.vectorized(lanes):
-                acc[lane] = T.float32(0)
-            for c in range(chunks):
+        for step in range((last + lanes) // lanes * (lanes // ROW_POSITIONS)):
+            for p in T.unroll(ROW_POSITIONS):
+                offsets[p] = base(T.min(step * ROW_POSITIONS + p, last)) + kv
+            for p in T.unroll(ROW_POSITIONS):
                 for lane in T.vectorized(lanes):
-                    acc[lane] = acc[lane] + qs[c, lane] * keys[base(j) + kv + c * lanes + lane]
-            s[j] = T.float32(0)
-            for lane in range(lanes):
-                s[j] = s[j] + acc[lane]
-            top[0] = T.max(top[0], s[j])
-        total[0] = T.float32(0)
-        for c in range(chunks):
-            for lane in T.vectorized(lanes):
-                out_acc[c, lane] = T.float32(0)
-        for j in range(last + 1):
-            s[j] = T.exp(s[j] - top[0])
-            total[0] = total[0] + s[j]
+                    acc[p, lane] = T.float32(0)
             for c in range(chunks):
-                for lane in T.vectorized(lanes):
-                    out_acc[c, lane] = out_acc[c, lane] + s[j] * values[base(j) + kv + c * lanes + lane]
-        for c in range(chunks):
+                for p in T.unroll(ROW_POSITIONS):
+                    for lane in T.vectorized(lanes):
+                        acc[p, lane] = acc[p, lane] + qs[c, lane] * keys[offsets[p] + c * lanes + lane]
+            for p in T.unroll(ROW_POSITIONS):
+                s[step * ROW_POSITIONS + p] = T.Select(step * ROW_POSITIONS + p <= last, _horizontal(
+                    acc[p, T.ramp(0, 1, lanes)], lanes, operator.add), lowest)
+        for lane in T.vectorized(lanes):
+            best[lane] = lowest
+            sums[lane] = T.float32(0)
+        for j in range((last + lanes) // lanes):
             for lane in T.vectorized(lanes):
-                out[t, h * dim + c * lanes + lane] = out_acc[c, lane] / total[0]
+                best[lane] = T.max(best[lane], s[j * lanes + lane])
+        top[0] = _horizontal(best[T.ramp(0, 1, lanes)], lanes, T.max)
+        for j in range((last + lanes) // lanes):
+            for lane in T.vectorized(lanes):
+                s[j * lanes + lane] = T.exp(s[j * lanes + lane] - top[0])  # masked positions: 0
+                sums[lane] = sums[lane] + s[j * lanes + lane]
+        total[0] = _horizontal(sums[T.ramp(0, 1, lanes)], lanes, operator.add)
+        for e, c in T.grid(sets, chunks):
+            for lane in T.vectorized(lanes):
+                out_acc[e, c, lane] = T.float32(0)
+        for j in range((last + sets) // sets):
+            for e in T.unroll(sets):
+                for c in T.unroll(chunks):
+                    for lane in T.vectorized(lanes):
+                        out_acc[e, c, lane] = out_acc[e, c, lane] + T.Select(
+                            j * sets + e <= last, s[j * sets + e], T.float32(0)) * values[
+                            base(T.min(j * sets + e, last)) + kv + c * lanes + lane]
+        for c in range(chunks):
+            for e in range(1, sets):
+                for lane in T.vectorized(lanes):
+                    out_acc[0, c, lane] = out_acc[0, c, lane] + out_acc[e, c, lane]
+            for lane in T.vectorized(lanes):
+                out[t, h * dim + c * lanes + lane] = out_acc[0, c, lane] / total[0]
 
     return one_row
 

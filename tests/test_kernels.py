@@ -129,12 +129,13 @@ def test_paged_attention_over_scattered_pages(heads, kv_heads):
 
 
 @pytest.mark.parametrize("lanes_target", ["native", "x86-64-v3"])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 1)])
-def test_written_paged_attention_blocks_chunks_and_single_rows(lanes_target, heads, kv_heads):
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (3, 1, 16), (4, 2, 64)])
+def test_written_paged_attention_blocks_chunks_and_single_rows(lanes_target, heads, kv_heads, head_dim):
     """The hand-written paged kernel: a 16-row prefill chunk (one block, when rows fill SIMD vectors), the chunk's
     ragged end, decode tokens of other sequences, and padding, over scattered pages whose unwritten slots hold
-    NaN (never read)."""
-    head_dim, block, pages = 16, 4, 24
+    NaN (never read); head dimensions of one to eight SIMD vectors (a single row sums its weighted values in one or
+    two sets)."""
+    block, pages = 4, 24
     k_pages, v_pages = rand(pages, block, kv_heads * head_dim), rand(pages, block, kv_heads * head_dim)
     table = np.full((3, 8), -1, dtype=np.int32)
     table[0, :4] = [9, 2, 17, 4]  # positions 0..13 written (a decode token at 13)
