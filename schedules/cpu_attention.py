@@ -1,5 +1,6 @@
 """Paged attention on a CPU: blocks of query rows of one sequence as two register-blocked matrix products per
-head, and single rows (decode, or rows of different sequences) one dot product per position.
+head, and single rows (decode, or rows of different sequences) as dot products over the head dimension, eight
+positions at a time (`_row_macro`).
 
 The compute definition (`compiler.kernels.paged_attention`) scores one query row against one
 position at a time, a dot product that ends in a horizontal sum. For a block of `lanes` or 2 x `lanes`
