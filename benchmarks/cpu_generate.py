@@ -11,8 +11,9 @@ in this process with the same number of threads (every core it may use), and run
 round, --runs rounds (alternating, so that the drift of a shared host's speed hits every engine alike; a short
 pause after each run lets that engine's threads stop spinning):
 
-- ours: the compiled artifact through CompiledModel; for bfloat16 also one built with --matmul-precision bfloat16
-  (prefill products on AMX tiles, else AVX512-BF16 dot products; a row with the reason where this CPU has neither);
+- ours: the compiled artifact through CompiledModel; for bfloat16 and AWQ also one built with --matmul-precision
+  bfloat16 (prefill products on AMX tiles, else AVX512-BF16 dot products, which AWQ weights do not have yet: their
+  products stay float32 there; a row with the reason where this CPU has neither);
   `--mcpu cooperlake` on an AMX Xeon builds for a CPU without AMX, so that the AVX512-BF16 path is timed there;
 - transformers (torch CPU, the checkpoint's dtype);
 - llama.cpp through llama-cpp-python, on the checkpoint converted to GGUF by the converter from
@@ -269,7 +270,7 @@ def benchmark(shape: str, dtype: str, args) -> dict:
     bandwidth = read_bandwidth()
     weight_bytes = weight_bytes_per_token(ours_dir)
     peers = [(ours, ours_dir, "ours")]
-    peers += [(ours_bf16, model_dir, "ours (bf16 prefill products)")] if dtype == "bfloat16" else []
+    peers += [(ours_bf16, ours_dir, "ours (bf16 prefill products)")] if dtype in ("bfloat16", "awq") else []
     peers += [(transformers_peer, model_dir, "transformers")]
     peers += [(llama_cpp_peer, gguf_or_error(model_dir, outtype, args, threads), f"llama.cpp (GGUF {outtype.upper()})")
               for outtype in GGUF_TYPES[dtype]]

@@ -14,7 +14,9 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .written import PAIR_ROWS, linear_func, pack_activation_pairs
+from ir.packing import PAIR_SLOTS, pair_column
+
+from .written import PAIR_ROWS, bf16_bits, linear_func, pack_activation_pairs, packed_linear_func
 
 TILE = PAIR_ROWS  # rows per tile (16); a tile row holds 64 bytes: 32 bfloat16 or 16 float32
 DEPTH = 32  # bfloat16 depth per dot product
@@ -33,6 +35,26 @@ def _tile_config(cfg):
     T.evaluate(T.call_llvm_intrin("void", "llvm.x86.ldtilecfg", T.address_of(cfg[0])))
 
 
+@T.macro
+def load(tile, address, stride):
+    T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.int8(tile), address, T.int64(stride)))
+
+
+@T.macro
+def dot(acc, a, b):
+    T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tdpbf16ps", T.int8(acc), T.int8(a), T.int8(b)))
+
+
+@T.macro
+def zero(tile):
+    T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilezero", T.int8(tile)))
+
+
+@T.macro
+def store(tile, address):
+    T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilestored64", T.int8(tile), address, T.int64(64)))
+
+
 def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     """x @ w.T (+ bias) for float32 x and bfloat16 w on AMX tiles, or None when the shape does not fit
     (token rows, depth and outputs must be multiples of 32)."""
@@ -41,22 +63,6 @@ def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     n = int(w_buf.shape[0])
     if w_buf.dtype != "bfloat16" or x_buf.dtype != "float32" or m % BLOCK or k % DEPTH or n % BLOCK:
         return None
-
-    @T.macro
-    def load(tile, address, stride):
-        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tileloadd64", T.int8(tile), address, T.int64(stride)))
-
-    @T.macro
-    def dot(acc, a, b):
-        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tdpbf16ps", T.int8(acc), T.int8(a), T.int8(b)))
-
-    @T.macro
-    def zero(tile):
-        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilezero", T.int8(tile)))
-
-    @T.macro
-    def store(tile, address):
-        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilestored64", T.int8(tile), address, T.int64(64)))
 
     @T.macro
     def products(x, w, y, first):
@@ -93,3 +99,93 @@ def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
             T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))
 
     return linear_func(func, products)
+
+
+def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    """x @ W.T (+ bias) for float32 x and an AWQ weight in the pairs layout (ir.packing awq_int4_pairs) on AMX
+    tiles, or None when the shape does not fit (16-word column tiles, token rows a multiple of 32, groups of 32
+    rows or a multiple).
+
+    The roles swap: x rounded to bfloat16 is A (16 token rows x 32 depth, read in place), and the packed words
+    are B, whose layout they already have: `(word >> 4n) & 0x000F000F` is a pair (depth 2p, depth 2p + 1) of
+    4-bit values per column, and one vpermw turns each into its exact bfloat16. A task unpacks its column tile
+    once (every depth, four nibbles) and reuses it for every block of token rows. C sums x * q over one group;
+    after each group, y += s * (C - z * sum of x over the group), so the weights are exact and only the
+    activations are rounded, as in `amx_gemm`."""
+    x_buf, q_buf, z_buf, s_buf = func.params[:4]
+    m, k = (int(d) for d in x_buf.shape)
+    tiles, pairs, words = (int(d) for d in q_buf.shape)
+    groups = int(s_buf.shape[1])
+    group = k // groups
+    if words != TILE or m % BLOCK or group % DEPTH or x_buf.dtype != "float32":
+        return None
+    steps, columns = group // DEPTH, PAIR_SLOTS * words  # depth steps a group; columns a task
+
+    @T.macro
+    def products(x, qw, qz, sc, ys, first):
+        xa = T.alloc_buffer((m, k), "uint16")  # x as bfloat16 bits, row-major: the A tiles
+        xsum = T.alloc_buffer((m, groups), "float32")  # sum of the rounded x over each group
+        for r in T.parallel(m):
+            part = T.alloc_buffer((TILE,), "float32")
+            for g in range(groups):
+                for lane in T.vectorized(TILE):
+                    part[lane] = T.float32(0)
+                for d in range(group // TILE):
+                    for lane in T.vectorized(TILE):
+                        xa[r, (g * group // TILE + d) * TILE + lane] = bf16_bits(
+                            x[r, (g * group // TILE + d) * TILE + lane])
+                        part[lane] = part[lane] + T.reinterpret("float32", T.shift_left(T.Cast(
+                            "uint32", xa[r, (g * group // TILE + d) * TILE + lane]), T.uint32(16)))
+                xsum[r, g] = T.float32(0)
+                for lane in range(TILE):
+                    xsum[r, g] = xsum[r, g] + part[lane]
+        for task in T.parallel(tiles):
+            cfg = T.alloc_buffer((64,), "uint8")  # on the stack
+            table = T.alloc_buffer((2 * TILE,), "uint16")
+            bt = T.alloc_buffer((k // DEPTH, PAIR_SLOTS, TILE, TILE), "uint32")  # B tiles: [step, nibble, pair, col]
+            acc = T.alloc_buffer((2, 2, TILE, TILE), "float32", scope="local")
+            yacc = T.alloc_buffer((m, columns), "float32")
+            _tile_config(cfg)
+            for i in range(2 * TILE):
+                table[i] = bf16_bits(T.Cast("float32", i))  # exact: the bfloat16 of each 4-bit value
+            for d, i in T.grid(k // DEPTH, TILE):
+                for n in T.unroll(PAIR_SLOTS):
+                    bt[d, n, i, T.ramp(0, 1, TILE)] = T.reinterpret(f"uint32x{TILE}", T.call_llvm_pure_intrin(
+                        f"uint16x{2 * TILE}", "llvm.x86.avx512.permvar.hi.512", table[T.ramp(0, 1, 2 * TILE)],
+                        T.reinterpret(f"uint16x{2 * TILE}", T.bitwise_and(T.shift_right(
+                            T.reinterpret(f"uint32x{TILE}", qw[task, d * TILE + i, T.ramp(0, 1, TILE)]),
+                            T.broadcast(T.uint32(4) * T.Cast("uint32", n), TILE)),
+                            T.broadcast(T.uint32(0x000F000F), TILE)))))
+            for r, c in T.grid(m, columns):
+                yacc[r, c] = T.float32(0)
+            for half, rows, g in T.grid(PAIR_SLOTS // 2, m // BLOCK, groups):
+                zero(4)
+                zero(5)
+                zero(6)
+                zero(7)
+                for s in range(steps):
+                    load(0, T.address_of(xa[rows * BLOCK, (g * steps + s) * DEPTH]), k * 2)  # tiles 0, 1: x
+                    load(1, T.address_of(xa[rows * BLOCK + TILE, (g * steps + s) * DEPTH]), k * 2)
+                    load(2, T.address_of(bt[g * steps + s, 2 * half, 0, 0]), 64)  # tiles 2, 3: two nibbles
+                    load(3, T.address_of(bt[g * steps + s, 2 * half + 1, 0, 0]), 64)
+                    dot(4, 0, 2)
+                    dot(5, 0, 3)
+                    dot(6, 1, 2)
+                    dot(7, 1, 3)
+                store(4, T.address_of(acc[0, 0, 0, 0]))
+                store(5, T.address_of(acc[0, 1, 0, 0]))
+                store(6, T.address_of(acc[1, 0, 0, 0]))
+                store(7, T.address_of(acc[1, 1, 0, 0]))
+                for xt, nt, r in T.grid(2, 2, TILE):  # acc[xt, nt] is [token, column] of nibble 2 half + nt
+                    for c in T.vectorized(TILE):
+                        yacc[rows * BLOCK + xt * TILE + r, (2 * half + nt) * TILE + c] = yacc[
+                            rows * BLOCK + xt * TILE + r, (2 * half + nt) * TILE + c] + T.Cast(
+                            "float32", sc[task, g, (2 * half + nt) * TILE + c]) * (
+                            acc[xt, nt, r, c] - T.Cast("float32", T.bitwise_and(T.shift_right(
+                                qz[task, g // 2, c], 4 * (2 * half + nt) + g % 2 * 16), 15))
+                            * xsum[rows * BLOCK + xt * TILE + r, g])
+            for r, n, c in T.grid(m, PAIR_SLOTS, TILE):
+                ys[r, pair_column(task, n, c, words)] = first(pair_column(task, n, c, words)) + yacc[r, n * TILE + c]
+            T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))
+
+    return packed_linear_func(func, products)

@@ -15,7 +15,7 @@ from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
 from . import stages
-from .amx import amx_gemm
+from .amx import amx_awq_gemm, amx_gemm
 from .avx512_bf16 import dpbf16_gemm
 from .cpu_attention import paged_attention
 from .cpu_awq import awq_linear
@@ -406,7 +406,11 @@ def _written(func: tirx.PrimFunc, kind: str, lanes: int, bf16_products: str | No
     if kind == "linear" and packed_weight(func):
         rows = int(func.params[0].shape[0])
         few = rows <= GEMV_MAX_ROWS or rows % lanes  # else the GEMM, on a tile unpacked at a time
-        return awq_linear(func, lanes, vnni) if few and paired_weight(func) else None  # GPU layout: the definition
+        if not paired_weight(func):
+            return None  # the GPU layout: the definition
+        if few:
+            return awq_linear(func, lanes, vnni)
+        return amx_awq_gemm(func) if bf16_products == "amx" else None
     if kind == "linear":
         rows = int(func.params[0].shape[0])
         gemm = BF16_GEMMS[bf16_products](func) if bf16_products and rows > GEMV_MAX_ROWS else None

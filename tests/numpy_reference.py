@@ -235,3 +235,25 @@ def merge_rows(x, group):
 
 def merge_embeddings(embedded, inputs, mask):
     return np.where(mask[:, None] != 0, inputs, embedded)
+
+
+# AWQ INT4 (AutoAWQ GEMM), unpacked as the format documents it, independently of ir.packing
+DOCUMENTED_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def unpack(words: np.ndarray, columns: int) -> np.ndarray:
+    """[rows, columns / 8] int32 words -> [rows, columns] 4-bit values."""
+    bits = words.view(np.uint32)
+    out = np.empty((words.shape[0], columns), np.int64)
+    for c in range(columns):
+        slot = DOCUMENTED_ORDER.index(c % 8)
+        out[:, c] = (bits[:, c // 8] >> (4 * slot)) & 0xF
+    return out
+
+
+def dequantise(qweight, qzeros, scales) -> np.ndarray:
+    """The float32 [out, in] matrix of one AWQ module."""
+    columns = scales.shape[1]
+    group = qweight.shape[0] // scales.shape[0]
+    q, z = unpack(qweight, columns), np.repeat(unpack(qzeros, columns), group, axis=0)
+    return np.ascontiguousarray(((q - z) * np.repeat(scales.astype(np.float32), group, axis=0)).T)

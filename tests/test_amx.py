@@ -1,5 +1,6 @@
-"""bfloat16 prefill products on AMX tiles (`--matmul-precision bfloat16`): the kernel against numpy on
-bfloat16-rounded activations, the option's errors, and a whole model against transformers."""
+"""bfloat16 prefill products on AMX tiles (`--matmul-precision bfloat16`), of bfloat16 and of AWQ weights: the
+kernels against numpy on bfloat16-rounded activations, the option's errors, and a whole model against
+transformers."""
 
 from __future__ import annotations
 
@@ -9,18 +10,21 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tvm
+from numpy_reference import dequantise
 
 from compiler.build import build
 from compiler.kernels import make_kernel
 from compiler.target import cpu_target
 from ir import TensorType
-from models.tiny import write_tiny_checkpoint
+from ir.packing import Packing
+from models.tiny import awq_quantize, write_tiny_checkpoint
 from runtime import CompiledModel
 from ir.contract import ArtifactError
 from ir.cpu_features import host_cpu_flags
 from runtime.cpu import enable_amx
+from runtime.weights import TRANSFORMS
 from schedules import cpu
-from schedules.amx import amx_gemm
+from schedules.amx import amx_awq_gemm, amx_gemm
 
 HAS_AMX = {"amx_tile", "amx_bf16"} <= host_cpu_flags()
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX-BF16 tiles")
@@ -37,6 +41,25 @@ def run_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> tuple[n
     out = tvm.runtime.empty((x.shape[0], w.shape[0]), "float32", tvm.cpu())
     lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)
     return out.numpy(), lib.mod.inspect_source("asm")
+
+
+def assert_bf16_prefill_tracks(ours: CompiledModel, hf, prompt: list[int]) -> None:
+    """Prefill logits off transformers' float32 ones by the activations' bfloat16 rounding and no more (so the
+    bfloat16 products ran), the same greedy token, and the float32 decode step after it agreeing too."""
+    import torch
+
+    cache = ours.new_cache(len(prompt) + 8)
+    got = ours.forward(prompt, cache)
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), use_cache=True)
+    want = out.logits[0, -1].numpy()
+    error = np.abs(got - want).max() / np.abs(want).max()
+    assert 1e-4 < error < 2e-2
+    token = int(np.argmax(want))
+    assert int(np.argmax(got)) == token
+    with torch.no_grad():
+        want = hf(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True).logits[0, -1].numpy()
+    assert int(np.argmax(ours.forward([token], cache))) == int(np.argmax(want))
 
 
 @needs_amx
@@ -66,6 +89,40 @@ def test_activations_round_to_nearest_bfloat16_ties_to_even():
     assert got[0, 0] == 1.0 and got[0, 1] == 1 + 2 * one_ulp
 
 
+@needs_amx
+@pytest.mark.parametrize("rows,depth,cols,group", [(32, 64, 64, 32), (64, 256, 192, 64), (128, 512, 128, 128),
+                                                  (32, 128, 64, 128)])
+@pytest.mark.parametrize("bias", [None, "float16"])
+def test_amx_awq_products_are_exact_in_the_weights(rows, depth, cols, group, bias):
+    """AWQ prefill on AMX tiles: the 4-bit values enter as their exact bfloat16, zero points and scales are
+    applied per group in float32, so only the activations are rounded."""
+    weight = (RNG.standard_normal((cols, depth)) / 16).astype(np.float32)
+    qweight, qzeros, scales = awq_quantize(weight, group)
+    x = RNG.standard_normal((rows, depth)).astype(np.float32)
+    x[:, :group] *= 3e2  # one group far larger than the rest: a per-group sum of x
+    b = RNG.standard_normal(cols).astype(bias) if bias else None
+    packed = TensorType((cols, depth), "float16", Packing("awq_int4_pairs", group))
+    types = [TensorType((rows, depth), "float32"), packed]
+    kernel = make_kernel("linear", types + ([TensorType((cols,), bias)] if bias else []), {})
+    target = cpu_target(matmul_precision="bfloat16")
+    lib = tvm.compile(cpu.schedule(kernel.func, "linear", {}, target), target.tvm_target())
+    enable_amx()
+    out = tvm.runtime.empty((rows, cols), "float32", tvm.cpu())
+    parts = TRANSFORMS["awq_pairs"]([qweight, qzeros, scales])
+    lib["main"](*[tvm.runtime.tensor(a) for a in [x, *parts] + ([b] if bias else [])], out)
+    want = x.astype(ml_dtypes.bfloat16).astype(np.float64) @ dequantise(qweight, qzeros, scales).T.astype(np.float64)
+    want += b.astype(np.float64) if bias else 0
+    assert "tdpbf16ps" in lib.mod.inspect_source("asm")
+    np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=2e-6 * float(np.abs(want).max()))
+
+
+def test_awq_shapes_that_do_not_fill_the_tiles_keep_float32_products():
+    for rows, depth, cols, group in [(16, 64, 64, 32), (32, 64, 64, 16), (32, 64, 32, 32)]:
+        types = [TensorType((rows, depth), "float32"),
+                 TensorType((cols, depth), "float16", Packing("awq_int4_pairs", group))]
+        assert amx_awq_gemm(make_kernel("linear", types, {}).func) is None
+
+
 def test_shapes_that_do_not_fill_the_tiles_keep_float32_products():
     for rows, depth, cols, dtype in [(16, 64, 64, "bfloat16"), (32, 48, 64, "bfloat16"), (32, 64, 48, "bfloat16"),
                                      (32, 64, 64, "float16"), (32, 64, 64, "float32"), (1, 64, 64, "bfloat16")]:
@@ -84,19 +141,7 @@ def test_whole_model_with_amx_prefill_tracks_transformers(tmp_path, monkeypatch)
     assert manifest["target"]["matmul_precision"] == "bfloat16" and "amx-bf16" in manifest["target"]["features"]
     ours = CompiledModel(model_dir, artifact)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompt = [int(t) for t in RNG.integers(0, ours.config.vocab_size, 24)]
-    cache = ours.new_cache(32)
-    got = ours.forward(prompt, cache)
-    with torch.no_grad():
-        out = hf(torch.tensor([prompt]), use_cache=True)
-    want = out.logits[0, -1].numpy()
-    error = np.abs(got - want).max() / np.abs(want).max()
-    assert 1e-4 < error < 2e-2  # bfloat16 activations in the products: off float32 by their rounding, no more
-    assert int(np.argmax(got)) == int(np.argmax(want))
-    token, past = int(np.argmax(want)), out.past_key_values
-    with torch.no_grad():  # decode products stay float32, so a decode step on the same cache still matches closely
-        want = hf(torch.tensor([[token]]), past_key_values=past, use_cache=True).logits[0, -1].numpy()
-    assert int(np.argmax(ours.forward([token], cache))) == int(np.argmax(want))
+    assert_bf16_prefill_tracks(ours, hf, [int(t) for t in RNG.integers(0, ours.config.vocab_size, 24)])
 
     def refuse():
         raise OSError(1, "Linux refused this process AMX tile state (test)")

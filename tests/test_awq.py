@@ -13,12 +13,15 @@ import shutil
 import numpy as np
 import pytest
 import tvm
+from numpy_reference import dequantise, unpack
 from safetensors.numpy import load_file, save_file
 
 import models
+from compiler.build import build
 from compiler.kernels import make_kernel
 from compiler.target import cpu_target
 from ir import IRError, Packing, TensorType, infer_types
+from ir.cpu_features import host_cpu_flags
 from ir.packing import pair_column, pair_index, pair_position, pair_scale, pair_tile_words
 from models.checkpoint import CheckpointError
 from models.tiny import awq_pack, awq_quantize, tiny_config, write_tiny_checkpoint
@@ -27,27 +30,6 @@ from runtime import (CompiledModel, GreedyGenerationConfig, load_huggingface_awq
 from runtime.weights import TRANSFORMS, pair_scales, pair_words
 from schedules.cpu import schedule
 from schedules.cpu_awq import awq_linear
-
-DOCUMENTED_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
-
-
-def unpack(words: np.ndarray, columns: int) -> np.ndarray:
-    """[rows, columns / 8] int32 words -> [rows, columns] 4-bit values."""
-    bits = words.view(np.uint32)
-    out = np.empty((words.shape[0], columns), np.int64)
-    for c in range(columns):
-        slot = DOCUMENTED_ORDER.index(c % 8)
-        out[:, c] = (bits[:, c // 8] >> (4 * slot)) & 0xF
-    return out
-
-
-def dequantise(qweight, qzeros, scales) -> np.ndarray:
-    """The float32 [out, in] matrix of one AWQ module."""
-    columns = scales.shape[1]
-    group = qweight.shape[0] // scales.shape[0]
-    q, z = unpack(qweight, columns), np.repeat(unpack(qzeros, columns), group, axis=0)
-    return np.ascontiguousarray(((q - z) * np.repeat(scales.astype(np.float32), group, axis=0)).T)
-
 
 def dequantised_checkpoint(awq_dir, out_dir):
     """A float32 copy of an AWQ checkpoint (no quantization_config), for transformers to read as a plain model."""
@@ -317,3 +299,21 @@ def test_checkpoint_without_packed_tensors_is_a_clear_error(tmp_path):
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="'model.layers.0.self_attn.q_proj.qweight' is missing"):
         models.load_checkpoint(model_dir)
+
+
+@pytest.mark.skipif(not {"amx_tile", "amx_bf16"} <= host_cpu_flags(), reason="this CPU has no AMX-BF16 tiles")
+def test_amx_prefill_of_an_awq_model_tracks_transformers(tmp_path):
+    """--matmul-precision bfloat16 on an AWQ checkpoint: prefill products on AMX tiles (schedules.amx
+    amx_awq_gemm), off the float32 model by the activations' bfloat16 rounding and no more; decode stays float32."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model_dir = write_tiny_checkpoint(tmp_path / "model", arch="qwen2", dtype="float16", awq_group_size=32, seed=4)
+    artifact = build(model_dir, out=tmp_path / "amx", prefill_buckets=(32,), max_context=64,
+                     matmul_precision="bfloat16", quiet=True).path
+    ours = CompiledModel(model_dir, artifact)
+    assert ours.manifest.target.bf16_products == "amx"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(dequantised_checkpoint(model_dir, tmp_path / "plain"),
+                                                           dtype=torch.float32).eval()
+    from test_amx import assert_bf16_prefill_tracks
+    prompt = [int(t) for t in np.random.default_rng(9).integers(0, ours.config.vocab_size, 32)]
+    assert_bf16_prefill_tracks(ours, hf, prompt)
