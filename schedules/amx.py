@@ -1,12 +1,14 @@
-"""Prefill matrix products on Intel AMX tiles: bfloat16 weights times activations rounded to bfloat16.
+"""Prefill matrix products on Intel AMX tiles: bfloat16 weights (`amx_gemm`), or AWQ INT4 weights in the pairs
+layout (`amx_awq_gemm`), times activations rounded to bfloat16.
 
 Opt-in (`--matmul-precision bfloat16`): products then differ from float32 ones by bfloat16 rounding of
 the activations, as llama.cpp's BF16 path and torch's bf16 models do. Sums stay float32.
 
 One AMX dot product, `tdpbf16ps C, A, B`, adds A[16 x 32] @ B[32 x 16] into a 16 x 16 float32 tile C, with B
-stored in pairs: B[depth / 2][16 columns][2]. Here A is 16 rows of the weight, read in place (w is
+stored in pairs: B[depth / 2][16 columns][2]. In `amx_gemm` A is 16 rows of the weight, read in place (w is
 [out, in], so each row is a contiguous run of the depth), and B holds 16 activation rows, packed once per
-call into that paired layout; C is thus a transposed [out, token] block, written back to y[token, out].
+call into that paired layout; C is thus a transposed [out, token] block, written back to y[token, out]. AWQ
+words already hold B's pairs, so `amx_awq_gemm` swaps the roles (its docstring).
 """
 
 from __future__ import annotations
