@@ -15,7 +15,7 @@ from tvm import te, tirx
 from tvm.script import tirx as T
 
 from ir import TensorType
-from ir.packing import AWQ_PACK, PAIR_SLOTS, Packing, awq_slot, pair_index, pair_scale
+from ir.packing import AWQ_PACK, PAIR_SLOTS, Packing, awq_slot, pair_index, pair_scale, pair_value
 from schedules import stages
 
 F32 = "float32"
@@ -105,7 +105,7 @@ def _unpacked(packing: Packing | None, parts: list):
     if packing.kind == "awq_int4_pairs":  # j: a position in the layout's column order (ir.packing.pair_order)
         def value(words, j, row):  # the 4-bit value of row `row` at position j of a pairs-layout tensor
             t, n, word = j // (PAIR_SLOTS * tile), j // tile % PAIR_SLOTS, j % tile
-            return tirx.bitwise_and(tirx.shift_right(words[t, row // 2, word], row % 2 * 16 + n * 4), 15)
+            return pair_value(words[t, row // 2, word], row, n)
 
         return lambda j, k: (value(qweight, j, k) - value(qzeros, j, k // group)).astype(F32) * _f32(
             scales[pair_scale(j, k // group, tile)])

@@ -124,6 +124,12 @@ def pair_position(column, row, tile: int):
             row % 2 * 16 + within // 2 * 4)
 
 
+def pair_value(word, row, n):
+    """The 4-bit value of row `row` (of its pair: which half) in nibble n of a pairs-layout word (qweight's rows,
+    qzeros' groups); plain arithmetic, as `pair_position`."""
+    return (word >> (row % 2 * 16 + n * 4)) & 15
+
+
 def pair_order(t, n, word, tile: int):
     """The position of nibble n of word `word` of column tile t in the layout's column order (tile by tile,
     (nibble, word)): the order of a tile's scales and of a product's columns before they are put in place."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ir.packing import PAIR_SLOTS, pair_column
+from ir.packing import PAIR_SLOTS, pair_column, pair_order, pair_scale, pair_value
 
 from .written import PAIR_ROWS, bf16_bits, linear_func, pack_activation_pairs, packed_linear_func
 
@@ -182,9 +182,8 @@ def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
                     for c in T.vectorized(TILE):
                         yacc[rows * BLOCK + xt * TILE + r, (2 * half + nt) * TILE + c] = yacc[
                             rows * BLOCK + xt * TILE + r, (2 * half + nt) * TILE + c] + T.Cast(
-                            "float32", sc[task, g, (2 * half + nt) * TILE + c]) * (
-                            acc[xt, nt, r, c] - T.Cast("float32", T.bitwise_and(T.shift_right(
-                                qz[task, g // 2, c], 4 * (2 * half + nt) + g % 2 * 16), 15))
+                            "float32", sc[pair_scale(pair_order(task, 2 * half + nt, c, words), g, words)]) * (
+                            acc[xt, nt, r, c] - T.Cast("float32", pair_value(qz[task, g // 2, c], g, 2 * half + nt))
                             * xsum[rows * BLOCK + xt * TILE + r, g])
             for r, n, c in T.grid(m, PAIR_SLOTS, TILE):
                 ys[r, pair_column(task, n, c, words)] = first(pair_column(task, n, c, words)) + yacc[r, n * TILE + c]

@@ -32,7 +32,7 @@ from math import gcd
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ir.packing import PAIR_SLOTS, pair_column, pair_order, pair_scale
+from ir.packing import PAIR_SLOTS, pair_column, pair_order, pair_scale, pair_value
 
 from .written import packed_linear_func
 
@@ -163,7 +163,7 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
         and x2 * q (nibble IN_PLACE's 16 times too large) and x's scale and sum over the block (group g)."""
         unit = T.Select(n == IN_PLACE, T.float32(1 / 16), T.float32(1))  # 16 ** -n for n <= IN_PLACE
         sum_xq = d * unit * (T.Cast("float32", sum1) + T.Cast("float32", sum2) * T.float32(1 / SPLIT))
-        zero = T.bitwise_and(T.shift_right(qz[task, g // 2, word], 4 * n + g % 2 * 16), 15)
+        zero = pair_value(qz[task, g // 2, word], g, n)
         return T.Cast("float32", sc[pair_scale(pair_order(task, n, word, words), g, words)]) * (
             sum_xq - xs_sum * T.Cast("float32", zero))
 
