@@ -21,7 +21,7 @@ from .cpu_attention import paged_attention
 from .cpu_awq import awq_linear
 from .loops import split_loops, static_extent
 from .vector_math import vector_math
-from .written import linear_func, packed_weight, paired_weight
+from .written import CACHE_LINE, linear_func, packed_weight, paired_weight, prefetch
 
 
 SERIAL_WORK = 1 << 14  # elements (times the loop each one runs) that a kernel leaves to one core
@@ -107,7 +107,6 @@ GEMV_MAX_ROWS = 16  # activation rows a weight-streaming product takes (decode s
 GEMV_L1_BYTES = 32 * 1024  # x rows larger than a core's L1 data cache are read one depth block at a time
 GEMV_X_BLOCK_BYTES = 16 * 1024  # ... of this many bytes of x (half of L1: the weights stream through it too)
 GEMV_TASK_ROWS = 16  # several x rows: weight rows per task, passed over depth block by depth block
-CACHE_LINE = 64  # bytes: what one prefetch brings in
 STREAM_BYTES = 4096  # bytes of consecutive weights each stream of a one-pass product reads at least, if it can
 
 
@@ -184,9 +183,8 @@ def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
                 for s in range(block // (step * per_line)):
                     if g == 0:  # one prefetch per cache line of each of the next run of tiles' rows
                         for c in T.unroll(cols):
-                            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(
-                                flat[T.min((row(task, t, c, j) + cols * run) * k + at(kb, s, 0), n * k - 1)]),
-                                0, 2, 1))
+                            T.evaluate(prefetch(flat[T.min((row(task, t, c, j) + cols * run) * k + at(kb, s, 0),
+                                                                 n * k - 1)]))
                     for u in T.unroll(per_line):
                         for c in T.unroll(cols):
                             for h in T.unroll(halves):

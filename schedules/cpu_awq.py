@@ -34,7 +34,7 @@ from tvm.script import tirx as T
 
 from ir.packing import PAIR_SLOTS, pair_column, pair_order, pair_scale, pair_value
 
-from .written import packed_linear_func
+from .written import packed_linear_func, prefetch
 
 PREFETCH_PAIRS = 64  # row pairs ahead the first pass over a tile asks for (into L2): 4 KiB of a 16-word tile
 X_BLOCK = 128  # input rows per activation scale, at most
@@ -202,9 +202,9 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
                     for p in range(block_pairs):
                         if vt == 0 and rt == 0:
                             for u in T.unroll(streams):
-                                T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(flat[T.min(
+                                T.evaluate(prefetch(flat[T.min(
                                     ((task * streams + u) * pairs + b * block_pairs + p + PREFETCH_PAIRS) * words,
-                                    tiles * pairs * words - 1)]), 0, 2, 1))
+                                    tiles * pairs * words - 1)]))
                         dots(acc1, xw, 0, qw, task, rt, vt, b * block_pairs + p)
                         dots(acc2, xw, 1, qw, task, rt, vt, b * block_pairs + p)
                     for u, r, n, v in T.grid(streams, rows, PAIR_SLOTS, tile_vecs):

@@ -5,6 +5,14 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+CACHE_LINE = 64  # bytes: what one prefetch brings in
+FLOATS_PER_LINE = CACHE_LINE // 4
+
+
+def prefetch(element, into_l1: bool = False):
+    """A software prefetch (read) of the cache line holding `element` (a buffer element), into L2, or into L1 too."""
+    return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(element), 0, 3 if into_l1 else 2, 1)
+
 
 def linear_func(func: tirx.PrimFunc, products) -> tirx.PrimFunc:
     """A PrimFunc with the signature of the `linear` kernel `func` (x, w, optional bias, y) whose body is the macro

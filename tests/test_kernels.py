@@ -129,7 +129,7 @@ def test_paged_attention_over_scattered_pages(heads, kv_heads):
 
 
 @pytest.mark.parametrize("lanes_target", ["native", "x86-64-v3"])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (3, 1, 16), (4, 2, 64)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (3, 1, 16), (4, 2, 64), (14, 2, 64), (16, 1, 32)])
 def test_written_paged_attention_blocks_chunks_and_single_rows(lanes_target, heads, kv_heads, head_dim):
     """The hand-written paged kernel: a 16-row prefill chunk (one block, when rows fill SIMD vectors), the chunk's
     ragged end, decode tokens of other sequences, and padding, over scattered pages whose unwritten slots hold
