@@ -1,5 +1,5 @@
 """What a CPU process needs before its kernels run: AMX tile state and huge pages from Linux, TVM threads on every
-core."""
+core, memory for weights and caches in huge pages."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import ctypes
 import mmap
 import os
 
+import ml_dtypes
 import numpy as np
+import tvm
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 HUGE_PAGE = 2 << 20  # bytes of an x86-64 transparent huge page
@@ -41,24 +43,48 @@ def ask_huge_pages(address: int, size: int) -> None:
 
 
 class HugePageMemory:
-    """Page-aligned slots, handed out in order, in private anonymous mappings advised into huge pages before anything
-    touches them. A model's weights placed here lie in huge pages, the small ones too: an allocation of its own gets
-    huge pages only for the whole 2 MiB pages inside it, so a weight under 4 MiB (every product of a 0.5B model,
-    most of an AWQ one) got none. A mapping is never freed while a slot of it is alive."""
+    """CPU tensors in page-aligned slots, handed out in order, of private anonymous mappings advised into huge pages
+    before anything touches them. A model's weights and its caches' KV pages and recurrent states live here, the
+    small weights too: an allocation of its own gets huge pages only for the whole 2 MiB pages inside it, so a
+    weight under 4 MiB (every product of a 0.5B model, most of an AWQ one) got none, and TVM's own allocations none
+    at all. A mapping is never freed while a tensor in it is alive."""
 
     def __init__(self, chunk: int = 256 << 20):
         self.chunk = chunk
         self._free = np.empty(0, np.uint8)  # the untouched rest of the newest mapping
 
-    def place(self, array: np.ndarray) -> np.ndarray:
-        """A copy of `array` in a slot of this memory."""
-        size = -(-array.nbytes // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+    def copy(self, array: np.ndarray) -> tvm.runtime.Tensor:
+        """A CPU tensor holding a copy of `array`."""
+        slot = self._slot(array.shape, array.dtype)
+        slot[...] = array
+        return _tensor(slot)
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> tvm.runtime.Tensor:
+        """A CPU tensor of zeros (its pages untouched until written)."""
+        return _tensor(self._slot(shape, ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)))
+
+    def _slot(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        """The next slot, for an array of this shape and dtype."""
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        size = -(-nbytes // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
         if size > self._free.size:
             self._free = _huge_page_mapping(max(size, self.chunk))
-        slot = self._free[:array.nbytes].view(array.dtype).reshape(array.shape)
-        slot[...] = array
+        slot = self._free[:nbytes].view(dtype).reshape(shape)
         self._free = self._free[size:]
         return slot
+
+
+def huge_page_memory(device: tvm.runtime.Device) -> HugePageMemory | None:
+    """Fresh huge-page memory for tensors on `device` when it is the CPU; None elsewhere (the device's allocator)."""
+    return HugePageMemory() if device.dlpack_device_type() == tvm.cpu().dlpack_device_type() else None
+
+
+def _tensor(slot: np.ndarray) -> tvm.runtime.Tensor:
+    """A CPU tensor over `slot`'s memory."""
+    if slot.dtype != ml_dtypes.bfloat16:
+        return tvm.runtime.from_dlpack(slot)
+    # numpy's DLPack export has no bfloat16: the slot crosses as uint16 and is viewed as bfloat16, the same bytes
+    return tvm.runtime.from_dlpack(slot.view(np.uint16))._create_view(slot.shape, "bfloat16")
 
 
 def _huge_page_mapping(size: int) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Weights on the CPU: every one, small ones too, in memory advised into transparent huge pages and copied exactly."""
+"""Weights and caches on the CPU: every weight, small ones too, and every KV page and recurrent state in memory
+advised into transparent huge pages; weights copied exactly."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ def thp_mode() -> str | None:
         return re.search(r"\[(\w+)\]", THP.read_text()).group(1)
     except (OSError, AttributeError):
         return None
+
+
+HUGE = pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason="this Linux grants no transparent huge pages")
 
 
 def advised_huge(address: int, size: int) -> bool:
@@ -55,7 +59,7 @@ def assert_exact(tensors: list[tvm.runtime.Tensor], arrays: list[np.ndarray]) ->
         assert np.array_equal(tensor.numpy().view(np.uint8), array.view(np.uint8))
 
 
-@pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason="this Linux grants no transparent huge pages")
+@HUGE
 def test_every_weight_small_ones_too_is_advised_into_huge_pages():
     arrays = weights((8192, 1024), (896, 112), (3, 5), (896,), dtype=ml_dtypes.bfloat16)  # 16 MiB down to 2 bytes
     tensors = on_cpu(arrays, HugePageMemory())
@@ -82,3 +86,27 @@ def test_weights_get_their_own_page_aligned_slots_and_new_mappings_when_one_is_f
     assert starts[1] == starts[0] + 1_200_128, "a small weight did not follow the one before it in its mapping"
     assert starts[2] // HUGE_PAGE != starts[0] // HUGE_PAGE, "a weight that did not fit was not given a new mapping"
     assert_exact(tensors, arrays)  # the later copies overwrote nothing
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32", "bfloat16"])
+def test_an_empty_tensor_is_zero_page_aligned_and_in_huge_page_memory(dtype):
+    memory = HugePageMemory()
+    memory.copy(np.ones(7, np.float32))
+    tensor = memory.empty((3, 1000), dtype)
+    assert tensor.shape == (3, 1000) and str(tensor.dtype) == dtype and tensor.data_ptr() % SLOT_ALIGNMENT == 0
+    assert not tensor.numpy().view(np.uint8).any()
+    if thp_mode() in ("always", "madvise"):
+        assert advised_huge(tensor.data_ptr(), 3 * 1000 * 4)
+
+
+@HUGE
+@pytest.mark.parametrize("options", [{"arch": "qwen2"}, {"arch": "qwen3_5_text", "num_hidden_layers": 2}])
+def test_a_batch_caches_kv_pages_and_states_are_in_huge_page_memory(tiny_factory, options):
+    from runtime import CompiledModel
+
+    model = CompiledModel(*tiny_factory(**options))
+    cache = model.new_batch_cache()
+    assert cache.tensors, "the cache has no state tensors"
+    for spec, tensor in zip(cache.specs, cache.tensors):
+        size = int(np.prod(tensor.shape)) * np.dtype(tensor.dtype).itemsize
+        assert advised_huge(tensor.data_ptr(), size), f"{spec.name} is not in huge-page memory"
