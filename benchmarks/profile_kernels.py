@@ -71,7 +71,7 @@ def main() -> None:
     rows, total = [], 0.0
     for sig, count in uses.items():
         attrs = json.loads(sig.attrs_json)
-        kernel = make_kernel(sig.kind, list(sig.types), attrs, target.lanes)
+        kernel = make_kernel(sig.kind, list(sig.types), attrs, target.scan_lanes)
         lib = tvm.compile(cpu.schedule(kernel.func, sig.kind, attrs, target), target.tvm_target())
         inputs = [_random_input(name, part, rng, args.tokens) for name, t in zip(
             OPS[sig.kind].inputs + OPS[sig.kind].optional_inputs, sig.types) for part in t.parts()]

@@ -160,7 +160,7 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
         if not force and _up_to_date(out, manifest):
             return BuildResult(out, True, time.perf_counter() - start)
         progress = (lambda it: it) if quiet else (lambda it: tqdm(it, desc="scheduling kernels", unit="kernel"))
-        scan_lanes = tgt.lanes if isinstance(tgt, CpuTarget) else 1
+        scan_lanes = tgt.scan_lanes if isinstance(tgt, CpuTarget) else 1
         module = lower_program(program, buckets, signatures, _scheduler(tgt), progress, scan_lanes,
                                cuda_graphs=isinstance(tgt, CudaTarget))
         if not quiet:

@@ -588,7 +588,8 @@ def make_kernel(kind: str, types: list[TensorType], attrs: dict, scan_lanes: int
     """The unscheduled kernel for one op signature (all dims concrete).
 
     `scan_lanes`: how many independent columns one task of a sequential scan (the delta rule, the causal conv)
-    carries in its innermost loops: the target's SIMD width on a CPU, 1 on a GPU (a thread per column).
+    carries in its innermost loops: a few SIMD vectors on a CPU (compiler.target.CpuTarget.scan_lanes), 1 on a GPU (a
+    thread per column).
     """
     kernel = KERNELS[kind](types, {**attrs, "scan_lanes": scan_lanes})
     kernel.func = kernel.func.with_attr("tirx.noalias", True)

@@ -24,7 +24,7 @@ NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes
 def run_kernel(kind: str, inputs: list, attrs: dict) -> list[np.ndarray]:
     """Compile `kind` for these inputs (arrays, or ints for scalars) and return its outputs."""
     types = [TensorType((), "int32") if isinstance(x, int) else TensorType(x.shape, str(x.dtype)) for x in inputs]
-    kernel = make_kernel(kind, types, attrs, TARGET.lanes)
+    kernel = make_kernel(kind, types, attrs, TARGET.scan_lanes)
     func = cpu.schedule(kernel.func, kind, attrs, TARGET)
     lib = tvm.compile(func, TARGET.tvm_target())
     dev = tvm.cpu()
@@ -244,16 +244,18 @@ def test_one_sequence_delta_rule_chunked_or_recurrent_matches_the_recurrence(chu
 SEQS = [np.array(v, dtype=np.int32) for v in ([0, 1, 6, 8], [1, 5, 2, 0], [7, 0, 4, 0], [2, 0, 3, 1])]
 
 
-def test_batch_causal_conv1d_runs_each_sequence_from_its_slot():
-    x, pool, w = rand(9, 40), rand(4, 3, 40), rand(40, 1, 4, dtype="bfloat16")
+@pytest.mark.parametrize("channels", [40, 192])  # a task's scan_lanes channels: 8, or 64 on AVX-512
+def test_batch_causal_conv1d_runs_each_sequence_from_its_slot(channels):
+    x, pool, w = rand(9, channels), rand(4, 3, channels), rand(channels, 1, 4, dtype="bfloat16")
     y, new_pool = run_kernel("batch_causal_conv1d", [x, pool, w, *SEQS], {})
     want_y, want_pool = ref.batch_causal_conv1d(x, pool, w, *SEQS)
     close(y[:8], want_y[:8], tol=1e-4)
     close(new_pool, want_pool)
 
 
-def test_batch_gated_delta_rule_runs_each_sequence_from_its_slot():
-    hk, hv, dk, dv = 2, 4, 16, 16
+@pytest.mark.parametrize("dk,dv", [(16, 16), (64, 128)])  # the latter: value columns in several tasks of scan_lanes
+def test_batch_gated_delta_rule_runs_each_sequence_from_its_slot(dk, dv):
+    hk, hv = 2, 4
     qkv, a, b, a_log, dt_bias, _ = _delta_case(9, 8, hk, hv, dk, dv, seed=3)
     qk, gates = ref.delta_inputs(qkv, a, b, a_log, dt_bias, 8, hk, dk)
     pool = (RNG.standard_normal((4, hv, dk, dv)) * 0.5).astype(np.float32)
