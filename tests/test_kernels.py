@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import ml_dtypes
 import numpy as np
@@ -162,6 +163,19 @@ def test_written_paged_attention_blocks_chunks_and_single_rows(lanes_target, hea
     lib = tvm.compile(cpu.schedule(func, "paged_attention", attrs, target), target.tvm_target())
     lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)
     close(out.numpy(), ref.paged_attention(q, k_pages, v_pages, table, row_of, pos_of, **attrs), tol=1e-4)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(14, 2), (32, 4), (4, 4)])
+def test_decode_attention_runs_a_task_per_kv_head_for_all_its_query_heads(heads, kv_heads):
+    """One decode row: each KV head's keys and values are read in one task for every query head that shares them
+    (GQA), not once per query head."""
+    head_dim, pages, block = 64, 8, 16
+    cache = TensorType((pages, block, kv_heads * head_dim), "float32")
+    types = [TensorType((1, heads * head_dim), "float32"), cache, cache, TensorType((1, pages), "int32"),
+             TensorType((1,), "int32"), TensorType((1,), "int32")]
+    attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "scale": head_dim ** -0.5}
+    written = paged_attention(make_kernel("paged_attention", types, attrs).func, attrs, TARGET.lanes)
+    assert re.findall(r"T\.parallel\((\d+)\)", written.script()) == [str(kv_heads)]
 
 
 def test_take_rows():
