@@ -51,7 +51,7 @@ class _Shape:
         self.block = self.vecs * lanes
         self.out_vecs = next(c for c in (4, 3, 2, 1) if self.dim // lanes % c == 0)  # head-dim vectors per out tile
         self.span = (history + POSITIONS - 1) // POSITIONS * POSITIONS
-        self.budget = 14 if lanes >= 16 else 8  # accumulators a single row keeps: under half the SIMD registers and 1 KiB
+        self.budget = 14 if lanes >= 16 else 8  # a single row's accumulators: under half the registers, under 1 KiB
         self.head_block = max(b for b in range(1, self.group + 1) if self.group % b == 0 and b <= self.budget)
         self.row_positions = max(p for p in (1, 2, 4, 8) if p <= ROW_POSITIONS and lanes % p == 0
                                  and self.head_block * p <= self.budget)
@@ -242,8 +242,8 @@ def paged_attention(func: tirx.PrimFunc, attrs: dict, lanes: int) -> tirx.PrimFu
     @T.macro
     def single_rows(q, out, keys, values, table, row_of, pos_of, h0, t0):
         for r in range(block):
-            heads_row(q, out, keys, values, h0, h0 // group * dim, t0 + r, pos_of[t0 + r],
-                      lambda j: T.max(table[row_of[t0 + r], j // page_size], 0) * page_floats + j % page_size * kv_width)
+            heads_row(q, out, keys, values, h0, h0 // group * dim, t0 + r, pos_of[t0 + r], lambda j: T.max(
+                table[row_of[t0 + r], j // page_size], 0) * page_floats + j % page_size * kv_width)
 
     @T.macro
     def chunk_or_rows(q, out, keys, values, table, row_of, pos_of, h0, t0):
