@@ -53,8 +53,6 @@ class _Shape:
         self.span = (history + POSITIONS - 1) // POSITIONS * POSITIONS
         self.budget = 14 if lanes >= 16 else 8  # a single row's accumulators: under half the registers, under 1 KiB
         self.head_block = max(b for b in range(1, self.group + 1) if self.group % b == 0 and b <= self.budget)
-        self.row_positions = max(p for p in (1, 2, 4, 8) if p <= ROW_POSITIONS and lanes % p == 0
-                                 and self.head_block * p <= self.budget)
 
     @property
     def blocked(self) -> bool:
@@ -142,14 +140,14 @@ def _row_macro(shape: _Shape):
     head: their scores as dot products of `positions` positions at a time, each (head, position) with its own
     accumulators (the head dimension in lanes, each sum of lanes a tree of halves), so a key serves every head of
     the block; the softmax of each head over vectors of positions; then the weighted sum, a pass over the values
-    for every `out_vecs` vectors of the head dimension, with `sets` independent sums (one chain of FMAs waits on
+    for every `pass_vecs` vectors of the head dimension, with `sets` independent sums (one chain of FMAs waits on
     each one's latency). Positions past `last` read position `last` again; the mask drops them."""
-    lanes, dim, scale, heads = shape.lanes, shape.dim, shape.scale, shape.head_block
+    lanes, dim, scale, heads, budget = shape.lanes, shape.dim, shape.scale, shape.head_block, shape.budget
     chunks = dim // lanes
     span = (shape.history // lanes + 1) * lanes  # whole vectors of positions, one more for the weighted sum's sets
-    positions = shape.row_positions
-    out_vecs = max(c for c in range(1, chunks + 1) if chunks % c == 0 and heads * c <= shape.budget)
-    sets = WEIGHTED_SETS if heads * out_vecs < 8 and WEIGHTED_SETS * heads * out_vecs <= shape.budget else 1
+    positions = max(p for p in (1, 2, 4, 8) if p <= ROW_POSITIONS and lanes % p == 0 and heads * p <= budget)
+    pass_vecs = max(c for c in range(1, chunks + 1) if chunks % c == 0 and heads * c <= budget)
+    sets = WEIGHTED_SETS if heads * pass_vecs < 8 and WEIGHTED_SETS * heads * pass_vecs <= budget else 1
     lowest = T.min_value("float32")
 
     @T.macro
@@ -160,7 +158,7 @@ def _row_macro(shape: _Shape):
         offsets = T.alloc_buffer((positions,), "int32")
         best = T.alloc_buffer((lanes,), "float32")
         sums = T.alloc_buffer((lanes,), "float32")
-        out_acc = T.alloc_buffer((sets, heads, out_vecs, lanes), "float32")
+        out_acc = T.alloc_buffer((sets, heads, pass_vecs, lanes), "float32")
         top = T.alloc_buffer((1,), "float32")
         total = T.alloc_buffer((heads,), "float32")
         for i, c in T.grid(heads, chunks):
@@ -198,27 +196,27 @@ def _row_macro(shape: _Shape):
                     s[i, j * lanes + lane] = T.exp(s[i, j * lanes + lane] - top[0])  # masked positions: 0
                     sums[lane] = sums[lane] + s[i, j * lanes + lane]
             total[i] = _horizontal(sums[T.ramp(0, 1, lanes)], lanes, operator.add)
-        for c0 in range(chunks // out_vecs):
-            for e, i, c in T.grid(sets, heads, out_vecs):
+        for c0 in range(chunks // pass_vecs):
+            for e, i, c in T.grid(sets, heads, pass_vecs):
                 for lane in T.vectorized(lanes):
                     out_acc[e, i, c, lane] = T.float32(0)
             for j in range((last + sets) // sets):
                 for e in T.unroll(sets):
-                    for line in T.unroll(-(-out_vecs * lanes // FLOATS_PER_LINE)):
+                    for line in T.unroll(-(-pass_vecs * lanes // FLOATS_PER_LINE)):
                         T.evaluate(prefetch(values[base(T.min(j * sets + e + AHEAD, last)) + kv
-                                                   + c0 * out_vecs * lanes + line * FLOATS_PER_LINE], into_l1=True))
+                                                   + c0 * pass_vecs * lanes + line * FLOATS_PER_LINE], into_l1=True))
                     for i in T.unroll(heads):
-                        for c in T.unroll(out_vecs):
+                        for c in T.unroll(pass_vecs):
                             for lane in T.vectorized(lanes):
                                 out_acc[e, i, c, lane] = out_acc[e, i, c, lane] + T.Select(
                                     j * sets + e <= last, s[i, j * sets + e], T.float32(0)) * values[
-                                    base(T.min(j * sets + e, last)) + kv + (c0 * out_vecs + c) * lanes + lane]
-            for i, c in T.grid(heads, out_vecs):
+                                    base(T.min(j * sets + e, last)) + kv + (c0 * pass_vecs + c) * lanes + lane]
+            for i, c in T.grid(heads, pass_vecs):
                 for e in range(1, sets):
                     for lane in T.vectorized(lanes):
                         out_acc[0, i, c, lane] = out_acc[0, i, c, lane] + out_acc[e, i, c, lane]
                 for lane in T.vectorized(lanes):
-                    out[t, (h0 + i) * dim + (c0 * out_vecs + c) * lanes + lane] = out_acc[0, i, c, lane] / total[i]
+                    out[t, (h0 + i) * dim + (c0 * pass_vecs + c) * lanes + lane] = out_acc[0, i, c, lane] / total[i]
 
     return rows
 
@@ -239,19 +237,22 @@ def paged_attention(func: tirx.PrimFunc, attrs: dict, lanes: int) -> tirx.PrimFu
     rows_block, heads_row = _block_macro(shape), _row_macro(shape)
     page_floats = page_size * kv_width
 
+    def slot_base(table, seq):
+        """base(j): the flat offset of position j's key/value row of sequence `seq`, through its block table."""
+        return lambda j: T.max(table[seq, j // page_size], 0) * page_floats + j % page_size * kv_width
+
     @T.macro
     def single_rows(q, out, keys, values, table, row_of, pos_of, h0, t0):
         for r in range(block):
-            heads_row(q, out, keys, values, h0, h0 // group * dim, t0 + r, pos_of[t0 + r], lambda j: T.max(
-                table[row_of[t0 + r], j // page_size], 0) * page_floats + j % page_size * kv_width)
+            heads_row(q, out, keys, values, h0, h0 // group * dim, t0 + r, pos_of[t0 + r],
+                      slot_base(table, row_of[t0 + r]))
 
     @T.macro
     def chunk_or_rows(q, out, keys, values, table, row_of, pos_of, h0, t0):
         if row_of[t0 + block - 1] == row_of[t0] and pos_of[t0 + block - 1] == pos_of[t0] + block - 1:
             for i in range(head_block):
                 rows_block(q, out, keys, values, h0 + i, (h0 + i) // group * dim, t0, pos_of[t0], pos_of[t0] + block,
-                           lambda j: T.max(table[row_of[t0], j // page_size], 0) * page_floats
-                           + j % page_size * kv_width)
+                           slot_base(table, row_of[t0]))
         else:
             single_rows(q, out, keys, values, table, row_of, pos_of, h0, t0)
 
