@@ -24,7 +24,7 @@ from ir.errors import RudaError
 from ir.graph import PAGED_KV_ROLES, PATCHES, RECURRENT_ROLES, ROWS, TOKENS
 
 from .artifact import TARGETS, OpenedArtifact, last_line, open_artifact
-from .cpu import huge_page_memory, use_all_cores
+from .cpu import tensor_memory, use_all_cores
 from .cuda import load_cuda
 from .vision import ImagePrompt, encoder_inputs, pack_images
 from .weights import load_params
@@ -275,9 +275,8 @@ class CompiledModel:
                                   f"rebuild with --legacy-paged-attention: "
                                   f"{build_command(self.model_dir, self.target, self.artifact, options)}")
         specs = self._states("step")
-        memory = huge_page_memory(self.device)  # KV pages and states, read every step
-        return BatchCache(specs, [memory.empty(tuple(s.shape), s.dtype) if memory else
-                                  tvm.runtime.empty(tuple(s.shape), s.dtype, self.device) for s in specs], choice,
+        memory = tensor_memory(self.device)  # KV pages and states, read every step
+        return BatchCache(specs, [memory.empty(tuple(s.shape), s.dtype) for s in specs], choice,
                           StepFunctions(self._opened, self.device))
 
     @property

@@ -20,7 +20,7 @@ from ir.errors import RudaWarning
 from ir.packing import PAIR_SLOTS, awq_tile_words, pair_tile_words
 from models.checkpoint import CheckpointError, TensorEntry
 
-from .cpu import HugePageMemory, huge_page_memory
+from .cpu import tensor_memory
 
 NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I32": np.int32}
 # The exponent bits of each dtype: all set means infinity or NaN.
@@ -83,17 +83,9 @@ def load_params(entries: dict[str, TensorEntry], params: tuple[ParamSpec, ...],
     """The arrays of each param, in order (one, or a packed param's parts), made from its checkpoint tensors by its
     transform and copied onto `device` (with a warning for each float source that is not all finite)."""
     maps: dict[Path, mmap.mmap] = {}
-    memory = huge_page_memory(device)
-    return [_on_device(array, device, memory) for p in params
+    memory = tensor_memory(device)
+    return [memory.copy(array) for p in params
             for array in TRANSFORMS[p.transform]([_source(entries[name], name, maps) for name in p.sources])]
-
-
-def _on_device(array: np.ndarray, device: tvm.runtime.Device, memory: HugePageMemory | None) -> tvm.runtime.Tensor:
-    """A copy of `array` on `device`; on a CPU, in `memory`, in huge pages. A decode step streams every weight, and
-    in 4 KiB pages each page costs a TLB miss (alone and alternating, on AMD EPYC: the 248320 x 1024 vocabulary head
-    of Qwen3.5 1.02-1.12x faster in huge pages, a 2048 x 5632 product 1.08-1.18x; on Intel Xeon with AMX, TinyLlama
-    AWQ decode 1.06x once its small weights joined the large ones there)."""
-    return tvm.runtime.tensor(array, device) if memory is None else memory.copy(array)
 
 
 def _source(entry: TensorEntry, name: str, maps: dict[Path, mmap.mmap]) -> np.ndarray:

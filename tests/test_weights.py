@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import tvm
 
-from runtime.cpu import HUGE_PAGE, SLOT_ALIGNMENT, HugePageMemory
-from runtime.weights import _on_device
+from runtime.cpu import HUGE_PAGE, SLOT_ALIGNMENT, HugePageMemory, tensor_memory
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -41,9 +40,10 @@ def advised_huge(address: int, size: int) -> bool:
     return covered == size
 
 
-def on_cpu(arrays: list[np.ndarray], memory: HugePageMemory) -> list[tvm.runtime.Tensor]:
-    """The arrays as the loader places CPU weights."""
-    return [_on_device(array, tvm.cpu(), memory) for array in arrays]
+def on_cpu(arrays: list[np.ndarray], memory: HugePageMemory | None = None) -> list[tvm.runtime.Tensor]:
+    """The arrays as the loader places CPU weights (in `memory`, else the memory it takes for the CPU)."""
+    memory = memory or tensor_memory(tvm.cpu())
+    return [memory.copy(array) for array in arrays]
 
 
 def weights(*shapes: tuple[int, ...], dtype=np.float32) -> list[np.ndarray]:
@@ -62,7 +62,7 @@ def assert_exact(tensors: list[tvm.runtime.Tensor], arrays: list[np.ndarray]) ->
 @HUGE
 def test_every_weight_small_ones_too_is_advised_into_huge_pages():
     arrays = weights((8192, 1024), (896, 112), (3, 5), (896,), dtype=ml_dtypes.bfloat16)  # 16 MiB down to 2 bytes
-    tensors = on_cpu(arrays, HugePageMemory())
+    tensors = on_cpu(arrays)
     for tensor, array in zip(tensors, arrays):
         assert advised_huge(tensor.data_ptr(), array.nbytes), f"a {array.shape} weight is not in huge-page memory"
     assert_exact(tensors, arrays)
@@ -72,7 +72,7 @@ def test_every_weight_small_ones_too_is_advised_into_huge_pages():
                                          ((1024, 2049), ml_dtypes.bfloat16), ((64, 33), np.int32)])
 def test_every_weight_is_copied_exactly(shape, dtype):
     arrays = weights(shape, dtype=dtype)
-    assert_exact(on_cpu(arrays, HugePageMemory()), arrays)
+    assert_exact(on_cpu(arrays), arrays)
 
 
 def test_weights_get_their_own_page_aligned_slots_and_new_mappings_when_one_is_full():
@@ -90,13 +90,13 @@ def test_weights_get_their_own_page_aligned_slots_and_new_mappings_when_one_is_f
 
 @pytest.mark.parametrize("dtype", ["float32", "int32", "bfloat16"])
 def test_an_empty_tensor_is_zero_page_aligned_and_in_huge_page_memory(dtype):
-    memory = HugePageMemory()
+    memory = tensor_memory(tvm.cpu())
     memory.copy(np.ones(7, np.float32))
     tensor = memory.empty((3, 1000), dtype)
     assert tensor.shape == (3, 1000) and str(tensor.dtype) == dtype and tensor.data_ptr() % SLOT_ALIGNMENT == 0
     assert not tensor.numpy().view(np.uint8).any()
     if thp_mode() in ("always", "madvise"):
-        assert advised_huge(tensor.data_ptr(), 3 * 1000 * 4)
+        assert advised_huge(tensor.data_ptr(), tensor.numpy().nbytes)
 
 
 @HUGE
