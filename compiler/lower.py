@@ -88,7 +88,9 @@ def _lower_entry(bb, fn_name, program, graph, dims, kernels, param_types, cuda_g
     inputs = [relax.Var(name, _relax_type(graph.types[name].bind(dims))) for name in order]
     weights = relax.Var("params", relax.TupleType([_relax_type(t) for t in param_types]))
     scalars = sum(graph.types[name].shape == () for name in order)
-    attrs = {"num_input": scalars} if cuda_graphs else None
+    # Parameters from `num_input` on are checked only where their shapes are symbolic: the weights never are, so a
+    # call does not check each of its hundreds of weight tensors in the VM (a kernel checks the tensors it takes).
+    attrs = {"num_input": scalars if cuda_graphs else len(inputs)}
     with bb.function(fn_name, inputs + [weights], attrs):
         with bb.dataflow():
             env = {name: [var] for name, var in zip(order, inputs)}  # value -> the tensors it is passed as

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import tvm
 from conftest import TEST_BUCKETS
 
 from compiler import build as build_module
@@ -50,6 +51,18 @@ def test_manifest_describes_the_build(tiny_factory):
     assert step["ids"] == ("token_ids", None, ["tokens"]) and step["k_pages.1"] == ("k_pages", 1, [8, 16, 32])
     assert set(m["inputs"]) == {"step"}  # no legacy attention path built
     assert (artifact / "ir.txt").read_text().startswith("program qwen2")
+
+
+def test_step_checks_its_inputs_but_not_each_weight(tiny_factory):
+    """The VM checks a step's inputs at every call; its weights (hundreds of tensors at real size) it leaves to the
+    kernels that take them, so a step does not spend VM instructions on each."""
+    _, artifact = tiny_factory(arch="qwen2")
+    manifest = json.loads((artifact / MANIFEST).read_text())
+    tensors = sum(bool(spec["shape"]) for spec in manifest["inputs"]["step"])
+    text = tvm.runtime.load_module(str(artifact / "model.so"))["as_text"]()
+    step = text.split("@step_t1_r1:")[1].split("\n@")[0]
+    assert step.count("vm.builtin.check_tensor_info") == tensors
+    assert len(manifest["params"]) > tensors  # so checking the weights too would have shown in the count
 
 
 def test_rebuild_with_nothing_changed_is_reused(built):
