@@ -110,28 +110,37 @@ GEMV_TASK_ROWS = 16  # several x rows: weight rows per task, passed over depth b
 STREAM_BYTES = 4096  # bytes of consecutive weights each stream of a one-pass product reads at least, if it can
 
 
-def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
-    """The product x @ w.T (+ bias) of a few rows x (decode steps: one row per sequence) as a weight-streaming
-    loop that reads each weight once for all rows, or None when the shape does not fit it.
+def gemv_tile(m: int, n: int, k: int, halves: int, budget: int) -> tuple[bool, int, int]:
+    """(blocked, x rows per group, weight rows per tile) of `_rows_gemv` for m x rows of depth k and n weight rows,
+    `halves` accumulators per product and at most `budget` accumulators: blocked when the x rows outgrow L1; one
+    weight row a tile (one stream of weights) while they fit, else the tile with the fewest loads per product."""
+    blocked = m > 1 and m * k * 4 > GEMV_L1_BYTES and n % GEMV_TASK_ROWS == 0
+    group, cols = min(((g, c) for g in range(1, m + 1) for c in ((4, 2, 1) if blocked else (1,))
+                       if m % g == 0 and n % c == 0 and g * c * halves <= budget),
+                      key=lambda gc: ((gc[0] + gc[1]) / (gc[0] * gc[1]), -gc[0]))
+    return blocked, group, cols
 
-    Tasks of weight rows run across the cores; each step reads `lanes` (one row: 2 x `lanes`) elements of a tile
-    of up to 4 weight rows, widened in registers, and adds their products with the same elements of a group of x
-    rows into accumulators (group rows x weight rows x halves, at most half the SIMD registers), and prefetches
-    (into L2) the same elements of the next tile's rows, which follow in memory (the hardware prefetcher alone
-    leaves a core well short of its share of memory bandwidth on 16-bit weights). Short weight rows (under
-    STREAM_BYTES) are read in runs: the tile's rows lie `run` rows apart, the tiles of a task's run of tiles go one
-    after another, so each of the tile's rows streams through `run` consecutive rows of memory (a [3584, 1024]
-    bf16 product streamed 25 GB/s from memory with 2 KiB streams, 28 with 4 KiB ones, as 2048-wide rows do on
-    the Xeon of docs/performance.md). The group and the tile are
-    the shape with the fewest loads per product (8 rows on AVX2: two groups of 4 rows x 2 weight rows, 6 loads
-    per 8 FMAs, not 1 x 8: 9); the groups take turns over a tile's weights, which stay in L1, so up to
-    GEMV_MAX_ROWS rows fit whatever the register count (16 rows on AVX2: four groups, faster than the GEMM there
-    on weights streamed from memory). When the x rows
-    outgrow L1, a task holds
-    GEMV_TASK_ROWS weight rows and passes over them one depth block at a time, so the block's slice of x stays in
-    L1 for all of them (the partial sums wait in memory between blocks). One row of float32 weights is left to
-    `_gemv`, as fast there. Schedule primitives cannot insert prefetches, so this loop nest is written out; it
-    computes the sums of `compiler.kernels.linear` in another order.
+
+def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
+    """The product x @ w.T (+ bias) of a few rows x (decode steps: one row per sequence) as a weight-streaming loop
+    that reads each weight once for all rows, or None when the shape does not fit it.
+
+    Tasks of weight rows run across the cores; each step reads `lanes` (one row: 2 x `lanes`) elements of a tile of
+    weight rows, widened in registers, and adds their products with the same elements of a group of x rows into
+    accumulators (group rows x weight rows x halves, at most half the SIMD registers), and prefetches (into L2) the
+    same elements of the next tile's rows, which follow in memory (the hardware prefetcher alone leaves a core well
+    short of its share of memory bandwidth on 16-bit weights). While the x rows fit in L1, a tile is one weight row,
+    so a core reads its weights as one stream, row after row: tiles of 4 rows, four streams at once with fewer loads
+    per product, streamed [4864, 896] bf16 from memory at 28 GB/s with one x row and 13 with eight, against 32.5 and
+    17 for one stream (two threads, the Xeon of docs/performance.md). Rows shorter than STREAM_BYTES go in runs of
+    consecutive rows per task, so each prefetch reaches that far ahead. The groups take turns over a tile's weights,
+    which stay in L1, so up to GEMV_MAX_ROWS rows fit whatever the register count. When the x rows outgrow L1, a
+    task holds GEMV_TASK_ROWS weight rows and passes over them one depth block at a time, so the block's slice of x
+    stays in L1 for all of them (the partial sums wait in memory between blocks); its tile is then the shape with
+    the fewest loads per product (4 weight rows where the registers allow: 25 GB/s against 22 for one row, four x
+    rows of [2048, 5632]). One row of float32 weights is left to `_gemv`, as fast there. Schedule primitives cannot
+    insert prefetches, so this loop nest is written out; it computes the sums of `compiler.kernels.linear` in
+    another order.
     """
     x_buf, w_buf = func.params[:2]
     m = int(x_buf.shape[0])
@@ -141,10 +150,7 @@ def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     budget = 16 if lanes >= 16 else 8  # accumulators: half the SIMD registers (AVX-512 has 32, AVX2 16)
     if m > GEMV_MAX_ROWS or k % step or (m == 1 and w_buf.dtype not in ("bfloat16", "float16")):
         return None
-    group, cols = min(((g, c) for g in range(1, m + 1) for c in (4, 2, 1)
-                       if m % g == 0 and n % c == 0 and g * c * halves <= budget),
-                      key=lambda gc: ((gc[0] + gc[1]) / (gc[0] * gc[1]), -gc[0]))  # fewest loads per FMA
-    blocked = m > 1 and m * k * 4 > GEMV_L1_BYTES and n % GEMV_TASK_ROWS == 0  # x rows would leave L1
+    blocked, group, cols = gemv_tile(m, n, k, halves, budget)
     tiles = GEMV_TASK_ROWS // cols if blocked else 1  # weight-row tiles per task
     block = next(b for b in range(GEMV_X_BLOCK_BYTES // (4 * m) // step * step, 0, -step) if k % b == 0) \
         if blocked else k

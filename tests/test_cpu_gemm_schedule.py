@@ -43,6 +43,17 @@ def test_linear_matches_numpy(rows, depth, cols, dtype, bias):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
 
 
+@pytest.mark.parametrize("rows,depth,blocked", [(1, 896, False), (1, 5632, False), (8, 896, False),
+                                                (4, 5632, True), (16, 896, True)])
+def test_decode_products_stream_one_weight_row_at_a_time_while_x_fits_in_l1(rows, depth, blocked):
+    """While the x rows fit in L1 a tile is one weight row, so a core reads its weights as one stream; a blocked
+    product (x read a depth block at a time) takes the tile with the fewest loads per product instead."""
+    halves = 2 if rows == 1 else 1
+    got_blocked, group, cols = cpu.gemv_tile(rows, 4864, depth, halves, budget=16)
+    assert got_blocked == blocked
+    assert cols == (4 if blocked else 1) and group * cols * halves <= 16 and rows % group == 0
+
+
 @pytest.mark.parametrize("mcpu", [None, "x86-64-v3"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8, 12, 16])  # 6 and up: groups of rows take turns over the weights
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
