@@ -164,7 +164,8 @@ def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     # Index arithmetic is written inline: a scalar bound by assignment in a macro becomes a one-element buffer on
     # the heap (TVM 0.27), which the loop then stores and reloads every step.
     def row(task, t, c, j):
-        """Weight row c of tile j of a task's run of tiles t (the tile's rows lie `run` apart)."""
+        """Weight row c of tile t of a task, at step j of its run (a tile of several rows comes only with blocked
+        tasks, whose run is 1; a one-row tile's run is `run` consecutive rows)."""
         return (task * tiles + t) * cols * run + c * run + j
 
     def at(kb, s, u):
