@@ -10,7 +10,8 @@ TVM, no compiler and no network.
 `prepare` writes PAYLOAD: a deploy bundle (the qwen2 tiny model through the ptx path) whose Python environment
 every case uses; sm_90 CUDA artifacts of tiny Llama, Qwen2 and Qwen3.5 checkpoints through each CUDA path, with
 their transformers logits and the CPU artifact's greedy tokens as references; single-kernel modules at real
-Qwen2.5-0.5B widths with the CPU kernels' outputs; a 0.5B-shape bf16 artifact whose checkpoint the device
+Qwen2.5-0.5B widths with the CPU kernels' outputs (a tensor-core GEMM with numpy's bf16-rounded product); two
+0.5B-shape bf16 artifacts (the default, and bf16 prefill products on tensor cores) whose checkpoint the device
 regenerates from a seed and checks by hash. `run` needs nothing else: each case runs in its own process with a
 timeout, one JSON line per case goes to OUT/results.jsonl as it ends, a failing case is rerun once with
 CUDA_LAUNCH_BLOCKING=1 (so the error names the kernel), and a driver that is too old stops it at once.
@@ -52,7 +53,12 @@ KERNEL_CASES = {  # real Qwen2.5-0.5B widths (arrays: int inputs as given): deco
                                              ((256, 16, 128), "float32"), PAGE_TABLE, np.zeros(1, np.int32),
                                              np.array([3001], np.int32)],
                          {"num_heads": 14, "num_kv_heads": 2, "head_dim": 64, "scale": 0.125}),
+    "gemm-bf16-tensor-cores": ("linear", [((64, 896), "float32"), ((4864, 896), "bfloat16"), ((4864,), "bfloat16")],
+                               {}),
 }
+# Cases built with --matmul-precision bfloat16 (tensor cores: the nvrtc and nvcc paths only), against numpy's product
+# of the activations rounded to bfloat16.
+BF16_PRODUCT_CASES = {"gemm-bf16-tensor-cores"}
 BENCH = dict(shape="qwen2.5-0.5b", dtype="bfloat16", seed=0, tokens=128, runs=3)
 DECODE_FUNCTION = "step_t1_r1"  # one token of one sequence
 H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e peak
@@ -214,8 +220,9 @@ def _bench(payload: Path) -> dict:
     for _ in range(BENCH["runs"]):
         cache = model.new_cache(2 * tokens)
         t0 = time.perf_counter()
-        token = int(np.argmax(model.forward(prompt, cache)))
+        logits = model.forward(prompt, cache)
         t1 = time.perf_counter()
+        token = int(np.argmax(logits))
         for _ in range(tokens):
             token = int(np.argmax(model.forward([token], cache)))
         t2 = time.perf_counter()
@@ -223,12 +230,22 @@ def _bench(payload: Path) -> dict:
         prefill.append(tokens / (t1 - t0))
         decode.append(tokens / (t2 - t1))
     decode_rate = float(np.median(decode))
+    tensor_cores = CompiledModel(model_dir, payload / "bench" / "artifact-bf16", device="cuda")
+    prefill_bf16 = []
+    for _ in range(BENCH["runs"]):
+        cache = tensor_cores.new_cache(tokens)
+        t0 = time.perf_counter()
+        logits_bf16 = tensor_cores.forward(prompt, cache)
+        prefill_bf16.append(tokens / (time.perf_counter() - t0))
+        cache.release()
     import tvm
 
     text = tvm.runtime.load_module(str(payload / "bench" / "artifact" / "model.so"))["as_text"]()
     step_bytes = spec["weight_bytes_per_token"]
     return {"model": f"{BENCH['shape']}-shape {BENCH['dtype']}", "regenerate_seconds": round(regenerated, 1),
             "prefill_tokens_per_s": round(float(np.median(prefill)), 1), "decode_tokens_per_s": round(decode_rate, 1),
+            "prefill_tokens_per_s_bf16_tensor_cores": round(float(np.median(prefill_bf16)), 1),
+            "bf16_logit_difference": round(float(np.abs(logits_bf16 - logits).max() / np.abs(logits).max()), 5),
             "ms_per_step": round(1000 / decode_rate, 3), "bytes_per_step": step_bytes,
             "achieved_bandwidth_gb_s": round(step_bytes * decode_rate / 1e9, 1),
             "roofline_tokens_per_s": round(H200_BANDWIDTH / step_bytes, 1),
@@ -325,8 +342,8 @@ def prepare(payload: Path, models: tuple[str, ...], paths: tuple[str, ...], kern
     _add_wheel(payload / "bundle" / "python", "safetensors")  # the benchmark checkpoint is written on the device
     _bundle_reference(payload)
     for case in kernels:
-        _kernel_modules(payload, case, paths)
-        listed["kernels"] += [f"kernel:{case}:{path}" for path in paths]
+        built = _kernel_modules(payload, case, paths)
+        listed["kernels"] += [f"kernel:{case}:{path}" for path in built]
     if bench:
         _bench_artifact(payload, cache)
     (payload / "cases.json").write_text(json.dumps(listed, indent=1) + "\n")
@@ -381,8 +398,9 @@ def _add_wheel(site: Path, distribution: str) -> None:
         _unpack(wheel, site)
 
 
-def _kernel_modules(payload: Path, case: str, paths: tuple[str, ...]) -> None:
-    """The case's GPU kernel through each path as a loadable module, and the CPU kernel's outputs."""
+def _kernel_modules(payload: Path, case: str, paths: tuple[str, ...]) -> list[str]:
+    """The case's GPU kernel through each path that can build it as a loadable module, and the reference outputs:
+    the CPU kernel's, or for a bfloat16-products case numpy's product of the rounded activations. The paths built."""
     import tvm
 
     from compiler import cuda
@@ -399,20 +417,30 @@ def _kernel_modules(payload: Path, case: str, paths: tuple[str, ...]) -> None:
     cuda.prepare_environment()
     folder = payload / "kernels"
     folder.mkdir(exist_ok=True)
-    for path in paths:
-        target = cuda.cuda_target(ARCH, path)
+    bf16 = case in BF16_PRODUCT_CASES
+    built = [path for path in paths if not (bf16 and path == "ptx")]
+    for path in built:
+        target = cuda.cuda_target(ARCH, path, matmul_precision="bfloat16" if bf16 else "float32")
         func = gpu.schedule(make_kernel(kind, types, attrs).func, kind, attrs, target)
         lib = tvm.compile(func, target.tvm_target(), tir_pipeline=target.tir_pipeline())
         cuda.export_with_ptx(lib, folder / f"{case}-{path}.so", target)  # PTX in the module, as in an artifact
+    if bf16:
+        import ml_dtypes
+
+        x, w, b = (a.astype(np.float64) for a in (inputs[0].astype(ml_dtypes.bfloat16), *inputs[1:]))
+        np.savez(folder / f"{case}.npz", out0=(x @ w.T + b).astype(np.float32))
+        return built
     host = cpu_target()
     lib = tvm.compile(cpu.schedule(make_kernel(kind, types, attrs).func, kind, attrs, host), host.tvm_target())
     args = [tvm.runtime.tensor(x) for x in inputs] + [tvm.runtime.empty(o.shape, o.dtype) for o in outs]
     lib["main"](*args)
     np.savez(folder / f"{case}.npz", **{f"out{i}": a.numpy() for i, a in enumerate(args[len(inputs):])})
+    return built
 
 
 def _bench_artifact(payload: Path, cache: Path) -> None:
-    """The 0.5B-shape artifact, the checkpoint's config, seed and hash (its weights are written on the device)."""
+    """The 0.5B-shape artifacts (default; bf16 prefill products on tensor cores, through nvcc), the checkpoint's
+    config, seed and hash (its weights are written on the device)."""
     import shutil
 
     from benchmarks.checkpoints import real_shape_checkpoint, weight_bytes_per_token
@@ -421,8 +449,10 @@ def _bench_artifact(payload: Path, cache: Path) -> None:
     model_dir = real_shape_checkpoint(cache, BENCH["shape"], BENCH["dtype"])
     folder = payload / "bench"
     folder.mkdir(exist_ok=True)
-    artifact = build(model_dir, target="cuda", arch=ARCH, out=folder / "artifact", prefill_buckets=(BENCH["tokens"],),
-                     max_context=2 * BENCH["tokens"], batch_rows=(1,), quiet=True).path
+    buckets = dict(prefill_buckets=(BENCH["tokens"],), max_context=2 * BENCH["tokens"], batch_rows=(1,), quiet=True)
+    artifact = build(model_dir, target="cuda", arch=ARCH, out=folder / "artifact", **buckets).path
+    build(model_dir, target="cuda", arch=ARCH, cuda_compiler="nvcc", matmul_precision="bfloat16",
+          out=folder / "artifact-bf16", **buckets)  # prefill products on tensor cores
     shutil.copy2(model_dir / "config.json", folder / "config.json")
     (folder / "checkpoint.json").write_text(json.dumps({
         "shape": BENCH["shape"], "dtype": BENCH["dtype"], "seed": BENCH["seed"],

@@ -35,10 +35,8 @@ CONTEXT_TOKENS = 512
 def _random_input(name, t, rng, tokens):
     """A value for input `name` of an op: random floats; int inputs of one sequence holding every token row,
     continuing from its state (so attention sees few positions: its time is a lower bound)."""
-    if t.shape == ():
-        return tokens
     if t.dtype == "int32":
-        return np.full(t.shape, {"seq_len": tokens, "seq_pos": 1}.get(name, 0), np.int32)
+        return np.full(t.shape, {"n": tokens, "seq_len": tokens, "seq_pos": 1}.get(name, 0), np.int32)
     data = rng.standard_normal(t.shape).astype(np.float32)
     return data.astype(ml_dtypes.bfloat16 if t.dtype == "bfloat16" else t.dtype)
 

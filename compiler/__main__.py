@@ -61,7 +61,8 @@ def main(argv: list[str]) -> int:
                    help="llvm: float32 (default) keeps every product in float32; bfloat16 runs prefill products of "
                         "bfloat16 weights with the activations rounded to bfloat16, on AMX tiles or else AVX512-BF16 "
                         "dot products (several times faster prefill, bfloat16-level numerics; needs one of them); "
-                        "auto: bfloat16 for a bfloat16 checkpoint on a CPU that has one, float32 otherwise")
+                        "auto: bfloat16 for a bfloat16 checkpoint on a CPU that has one, float32 otherwise; cuda: "
+                        "bfloat16 runs them on tensor cores (nvcc or nvrtc path), auto picks that on those paths")
     b.add_argument("--arch", help=f"cuda: GPU architecture, one of {', '.join(ARCHS)} (default sm_90)")
     b.add_argument("--cuda-compiler", help=f"cuda: code path, one of {', '.join(COMPILERS)} (default: ${COMPILER_ENV}, "
                                            "else ptx = direct PTX through LLVM NVPTX)")

@@ -28,6 +28,7 @@ from ir.contract import (
     Buckets,
     InputSpec,
     Manifest,
+    OutputSpec,
     ParamSpec,
     QuantizationSpec,
     config_hash,
@@ -42,7 +43,7 @@ from ir.packing import CPU_PACKINGS
 from schedules import cpu, gpu
 
 from .cuda import CudaBuildError, CudaTarget, check_with_ptxas, cuda_target, export_with_ptx, prepare_environment
-from .lower import call_order, kernel_signatures, lower_program
+from .lower import kernel_signatures, lower_program
 from .options import (
     DEFAULT_BATCH_ROWS,
     DEFAULT_IMAGE_PATCH_BUCKETS,
@@ -108,10 +109,9 @@ def make_target(target: str, *, mcpu: str | None = None, arch: str | None = None
         if stray:
             raise BuildError(f"{', '.join(stray)} only apply to --target cuda")
         return cpu_target(mcpu, matmul_precision or "float32")
-    stray = [flag for flag, v in (("--mcpu", mcpu), ("--matmul-precision", matmul_precision)) if v is not None]
-    if stray:
-        raise BuildError(f"{', '.join(stray)} only apply to --target llvm")
-    return cuda_target(arch, cuda_compiler, ptx_version)
+    if mcpu is not None:
+        raise BuildError("--mcpu only applies to --target llvm")
+    return cuda_target(arch, cuda_compiler, ptx_version, matmul_precision or "float32")
 
 
 def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None = None,
@@ -127,8 +127,8 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
     tgt = make_target(target, mcpu=mcpu, arch=arch, cuda_compiler=cuda_compiler, ptx_version=ptx_version,
                       matmul_precision=matmul_precision)
     raw, config, tensors, program = models.load_checkpoint_program(model_dir)
+    tgt = tgt.for_weights(_matrix_dtype(program))
     if isinstance(tgt, CpuTarget):
-        tgt = tgt.for_weights(_matrix_dtype(program))
         program = packed_as(program, CPU_PACKINGS)  # packed weights in the layout the CPU kernels read
     buckets = replace(resolve_buckets(prefill_buckets, max_context, config.max_position_embeddings, batch_rows,
                                       kv_pages, kv_block),
@@ -152,7 +152,7 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
         quantization=_quantization(config.quantization, program),
         inputs=_entry_inputs(program, buckets),
         vocab_size=config.vocab_size,
-        functions=tuple(name for name, _, _ in buckets.functions(program)),
+        functions=_function_outputs(program, buckets),
         kernels=tuple(sig.name for sig in signatures),
         build_options=_options(tgt, buckets, mcpu),
     )
@@ -214,7 +214,7 @@ def _options(tgt: CpuTarget | CudaTarget, buckets: Buckets, mcpu: str | None) ->
         options += ["--ptx-version", tgt.ptx_version] if tgt.ptx_version else []
     else:
         options += ["--mcpu", mcpu] if mcpu else []
-        options += ["--matmul-precision", "bfloat16"] if tgt.bf16_products else []
+    options += ["--matmul-precision", "bfloat16"] if tgt.bf16_products else []
     return tuple(options)
 
 
@@ -230,8 +230,18 @@ def _entry_inputs(program, buckets: Buckets) -> dict[str, tuple[InputSpec, ...]]
     """The runtime inputs of each entry built, by role, in call order, with the arena dims bound (the bucket dims
     stay symbolic: they differ per function)."""
     return {name: tuple(InputSpec(v, graph.roles[v].kind, graph.roles[v].layer, graph.types[v].bind(
-        buckets.arena_dims()).shape, graph.types[v].dtype) for v in call_order(graph))
+        buckets.arena_dims()).shape, graph.types[v].dtype) for v in graph.inputs)
         for name, graph in program.entries.items() if name in buckets.entries}
+
+
+def _function_outputs(program, buckets: Buckets) -> dict[str, OutputSpec]:
+    """Each VM function's output: its entry's output at the function's dims."""
+    out = {}
+    for name, entry, dims in buckets.functions(program):
+        graph = program.entries[entry]
+        t = graph.types[graph.outputs[0]].bind(dims)
+        out[name] = OutputSpec(t.shape, t.dtype)
+    return out
 
 
 def _describe(tgt: CpuTarget | CudaTarget) -> str:

@@ -23,7 +23,7 @@ import re
 import shutil
 import struct
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import tvm
@@ -34,7 +34,7 @@ from tvm.tirx import compilation_pipeline
 from ir.contract import IR_FILE, PTX_FILE, TargetSpec, read_manifest
 from ir.errors import RudaError
 
-from .options import ARCHS, COMPILER_ENV, COMPILERS, PTX_VERSION_ENV
+from .options import ARCHS, COMPILER_ENV, COMPILERS, MATMUL_PRECISIONS, PTX_VERSION_ENV
 
 PTX_VERSIONS = ("7.0", "7.1", "7.2", "7.3", "7.4", "7.5", "7.6", "7.7", "7.8",
                 "8.0", "8.1", "8.2", "8.3", "8.4", "8.5", "8.6", "8.7", "8.8", "9.0")
@@ -57,11 +57,27 @@ def _version_key(version: str) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class CudaTarget:
-    """A CUDA build: architecture, code path, and the PTX ISA version to emit (None: the compiler's own)."""
+    """A CUDA build: architecture, code path, the PTX ISA version to emit (None: the compiler's own), and the
+    precision of prefill products of bfloat16 weights (`auto` until `for_weights` resolves it; `bfloat16`: on
+    tensor cores, schedules.gpu_wmma)."""
 
     arch: str
     compiler: str
     ptx_version: str | None
+    matmul_precision: str = "float32"
+
+    @property
+    def bf16_products(self) -> str | None:
+        """Where prefill products of bfloat16 weights run in bfloat16 (wmma: tensor cores), or None: float32."""
+        return "wmma" if self.matmul_precision == "bfloat16" else None
+
+    def for_weights(self, dtype: str) -> CudaTarget:
+        """The target with `auto` precision resolved for a checkpoint whose matrices are `dtype`: tensor-core
+        products for bfloat16 weights where the path can emit them (nvrtc, nvcc), float32 ones otherwise."""
+        if self.matmul_precision != "auto":
+            return self
+        bf16 = dtype == "bfloat16" and self.compiler != "ptx"
+        return replace(self, matmul_precision="bfloat16" if bf16 else "float32")
 
     def tvm_target(self) -> tvm.target.Target:
         """The TVM target: NVPTX for the direct path, CUDA C++ for nvrtc/nvcc."""
@@ -76,7 +92,8 @@ class CudaTarget:
 
     def describe(self) -> TargetSpec:
         """The target as the manifest records it."""
-        return TargetSpec("cuda", arch=self.arch, cuda_compiler=self.compiler, ptx_version=self.ptx_version)
+        return TargetSpec("cuda", arch=self.arch, cuda_compiler=self.compiler, ptx_version=self.ptx_version,
+                          matmul_precision=self.matmul_precision, bf16_products=self.bf16_products)
 
 
 @tirx.transform.prim_func_pass(opt_level=0, name="NvptxBarriers")
@@ -106,7 +123,8 @@ def _nvptx_pipeline(**kwargs):
 compilation_pipeline.register_tir_pipeline(NVPTX_PIPELINE, _nvptx_pipeline)
 
 
-def cuda_target(arch: str | None = None, compiler: str | None = None, ptx_version: str | None = None) -> CudaTarget:
+def cuda_target(arch: str | None = None, compiler: str | None = None, ptx_version: str | None = None,
+                matmul_precision: str = "float32") -> CudaTarget:
     """Validated CUDA options; flags win over the RUDA_CUDA_COMPILER / RUDA_PTX_VERSION environment."""
     arch = arch or "sm_90"
     if arch not in ARCHS:
@@ -123,7 +141,13 @@ def cuda_target(arch: str | None = None, compiler: str | None = None, ptx_versio
         if _version_key(ptx_version) < _version_key(MIN_PTX_VERSION[arch]):
             raise CudaBuildError(f"PTX version {ptx_version} cannot target {arch}; {arch} needs PTX "
                                  f"{MIN_PTX_VERSION[arch]} or newer")
-    return CudaTarget(arch, compiler, ptx_version)
+    if matmul_precision not in MATMUL_PRECISIONS:
+        raise CudaBuildError(f"--matmul-precision {matmul_precision!r} is not one of {', '.join(MATMUL_PRECISIONS)}")
+    if matmul_precision == "bfloat16" and compiler == "ptx":
+        raise CudaBuildError("--matmul-precision bfloat16 runs prefill products on tensor cores through CUDA's WMMA "
+                             "API, which the direct PTX path (LLVM NVPTX) cannot emit; add --cuda-compiler nvcc "
+                             "(or nvrtc), or leave the precision at float32")
+    return CudaTarget(arch, compiler, ptx_version, matmul_precision)
 
 
 def cuda_toolkit_root() -> Path:

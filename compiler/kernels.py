@@ -1,6 +1,6 @@
 """One compute definition per IR op: concrete input types in, an unscheduled TensorIR PrimFunc out.
 
-Every kernel takes its op's inputs in order (int32 scalars as scalar params), then any constant
+Every kernel takes its op's inputs in order, then any constant
 tensors the op needs (`Kernel.constants`), then writes fresh outputs; in-place ops (`paged_kv_append`, the
 recurrent ops' state pools) write into their input instead. Float math is float32; weights are widened where they are read.
 """
@@ -30,11 +30,8 @@ class Kernel:
 
 
 def _placeholders(types: list[TensorType], names: list[str]) -> list:
-    """TE placeholders for tensor inputs and int32 vars for scalar inputs."""
-    out = []
-    for t, name in zip(types, names):
-        out.append(te.var(name, "int32") if t.shape == () else te.placeholder(t.shape, t.dtype, name=name))
-    return out
+    """TE placeholders for the inputs."""
+    return [te.placeholder(t.shape, t.dtype, name=name) for t, name in zip(types, names)]
 
 
 def _f32(x):
@@ -310,7 +307,7 @@ def delta_inputs(types, attrs) -> Kernel:
         y = te.exp(x)  # softplus = log1p(exp(x)) (as series for tiny y: NVPTX has no log1p), x above torch's threshold 20
         softplus = tirx.if_then_else(x > 20.0, x, tirx.if_then_else(y < 1e-4, y * (1.0 - 0.5 * y), te.log(1.0 + y)))
         value = tirx.if_then_else(e == 0, -te.exp(_f32(a_log[h])) * softplus, te.sigmoid(b[t, h]))
-        return tirx.if_then_else(t < n, value, 0.0)
+        return tirx.if_then_else(t < n[0], value, 0.0)
 
     gates = te.compute((qkv.shape[0], a.shape[1], 2), gate, name="delta_gates")
     return Kernel(te.create_prim_func([qkv, a, b, a_log, dt_bias, n, qk, gates]))

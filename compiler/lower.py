@@ -1,7 +1,8 @@
 """IR program -> one Relax module: a VM function per entry and shape bucket, calling scheduled kernels.
 
 Each function runs a whole step (every kernel of a prefill chunk or a decode step) in one call
-from Python; the VM plans intermediate memory once. Weights come in as one tuple argument.
+from Python; the VM plans intermediate memory once. Weights come in as one tuple argument, and the
+step's output goes into a buffer the caller passes (the same one at every call).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Callable, Iterable
 
 import tvm
 from tvm import relax
-from tvm.ir import PrimType
 
 from ir import OPS, Graph, Program, TensorType
 from ir.contract import Buckets
@@ -52,21 +52,13 @@ def kernel_signatures(program: Program, buckets: Buckets) -> list[KernelSignatur
     return list(seen)
 
 
-def call_order(graph: Graph) -> list[str]:
-    """An entry's inputs in the order its compiled functions take them: int32 scalars first, then the tensors as
-    declared. With CUDA graphs, a function's leading `num_input` parameters are read anew at every call, and every
-    later one (tensors: the same buffers at every call) is captured once."""
-    scalars = [v for v in graph.inputs if graph.types[v].shape == ()]
-    return scalars + [v for v in graph.inputs if v not in scalars]
-
-
 def lower_program(program: Program, buckets: Buckets, signatures: list[KernelSignature],
                   schedule: Callable[[Kernel, str, dict], Kernel], progress: Callable[[Iterable], Iterable] = iter,
                   scan_lanes: int = 1, cuda_graphs: bool = False) -> tvm.IRModule:
     """The Relax module for all buckets, given their `kernel_signatures`; `schedule` turns each kernel (with its op's
     kind and attributes) into its target's form (`scan_lanes`: see compiler.kernels.make_kernel). `cuda_graphs`: mark
-    every tensor input static, so that TVM's RewriteCUDAGraph captures each function's kernels (all but those that
-    read a scalar input or write the output) into one CUDA graph, replayed at later calls."""
+    every input static (the caller passes the same buffers at every call), so that TVM's RewriteCUDAGraph captures
+    all of a function's kernels into one CUDA graph, replayed at later calls."""
     bb = relax.BlockBuilder()
     kernels = {}
     for sig in progress(signatures):
@@ -79,40 +71,44 @@ def lower_program(program: Program, buckets: Buckets, signatures: list[KernelSig
     return bb.get()
 
 
-def _relax_type(t: TensorType):
-    return PrimType(t.dtype) if t.shape == () else relax.TensorType(list(t.shape), t.dtype)
+def _relax_type(t: TensorType) -> relax.TensorType:
+    return relax.TensorType(list(t.shape), t.dtype)
 
 
 def _lower_entry(bb, fn_name, program, graph, dims, kernels, param_types, cuda_graphs) -> None:
-    order = call_order(graph)
-    inputs = [relax.Var(name, _relax_type(graph.types[name].bind(dims))) for name in order]
+    """Function `fn_name`: the entry's inputs, then `out` (the caller's buffer, which the op of the entry's output
+    writes), then the weights as one tuple. It returns `out`: every kernel, the last one too, reads and writes only
+    buffers that are the same at every call, which is what lets a CUDA graph capture them all."""
+    inputs = [relax.Var(name, _relax_type(graph.types[name].bind(dims))) for name in graph.inputs]
+    result = graph.outputs[0]
+    out = relax.Var("out", _relax_type(graph.types[result].bind(dims)))
     weights = relax.Var("params", relax.TupleType([_relax_type(t) for t in param_types]))
-    scalars = sum(graph.types[name].shape == () for name in order)
     # Parameters from `num_input` on are checked only where their shapes are symbolic: the weights never are, so a
     # call does not check each of its hundreds of weight tensors in the VM (a kernel checks the tensors it takes).
-    attrs = {"num_input": scalars if cuda_graphs else len(inputs)}
-    with bb.function(fn_name, inputs + [weights], attrs):
-        with bb.dataflow():
-            env = {name: [var] for name, var in zip(order, inputs)}  # value -> the tensors it is passed as
-            index = 0
-            for name, param in program.params.items():
-                parts = len(param.type.parts())
-                env[name] = [bb.emit(relax.TupleGetItem(weights, i)) for i in range(index, index + parts)]
-                index += parts
-            for op in graph.ops:
-                gvar, constants = kernels[op_signature(graph, program, op, dims)]
-                args = [part for v in op.inputs for part in env[v]] + [relax.const(c) for c in constants]
-                out_types = [_relax_type(graph.types[o].bind(dims)) for o in op.outputs]
-                inplace = OPS[op.kind].inplace
-                if inplace:
-                    call = relax.call_tir_inplace(gvar, args, list(inplace), out_types)
-                else:
-                    call = relax.call_tir(gvar, args, out_types)
-                result = bb.emit(call)
-                if len(op.outputs) == 1:
-                    env[op.outputs[0]] = [result]
-                else:
-                    for k, out in enumerate(op.outputs):
-                        env[out] = [bb.emit(relax.TupleGetItem(result, k))]
-            output = bb.emit_output(env[graph.outputs[0]][0])
-        bb.emit_func_output(output)
+    # With CUDA graphs, they are also the ones captured once: all of them.
+    attrs = {"num_input": 0 if cuda_graphs else len(inputs) + 1}
+    with bb.function(fn_name, inputs + [out, weights], attrs):
+        env = {name: [var] for name, var in zip(graph.inputs, inputs)}  # value -> the tensors it is passed as
+        index = 0
+        for name, param in program.params.items():
+            parts = len(param.type.parts())
+            env[name] = [bb.emit(relax.TupleGetItem(weights, i)) for i in range(index, index + parts)]
+            index += parts
+        for op in graph.ops:
+            gvar, constants = kernels[op_signature(graph, program, op, dims)]
+            args = [part for v in op.inputs for part in env[v]] + [relax.const(c) for c in constants]
+            out_types = [_relax_type(graph.types[o].bind(dims)) for o in op.outputs]
+            inplace = OPS[op.kind].inplace
+            if result in op.outputs:  # the kernel's output parameter is `out` (ir.verify: its only one, fresh)
+                call = relax.call_tir_inplace(gvar, args + [out], [len(args)], out_types)
+            elif inplace:
+                call = relax.call_tir_inplace(gvar, args, list(inplace), out_types)
+            else:
+                call = relax.call_tir(gvar, args, out_types)
+            value = bb.emit(call)
+            if len(op.outputs) == 1:
+                env[op.outputs[0]] = [value]
+            else:
+                for k, name in enumerate(op.outputs):
+                    env[name] = [bb.emit(relax.TupleGetItem(value, k))]
+        bb.emit_func_output(out)  # the parameter itself: a var bound inside a captured region is not returned

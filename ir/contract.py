@@ -35,7 +35,7 @@ from .graph import (
     Program,
 )
 
-FORMAT = 3
+FORMAT = 4
 KIND = "ruda-artifact"  # what marks a directory as ours: only such a directory is ever replaced by a build
 MANIFEST = "manifest.json"
 MODULE = "model.so"
@@ -97,6 +97,14 @@ class InputSpec:
     def is_state(self) -> bool:
         """Whether the runtime keeps this input between calls (caches, KV pages, recurrent states)."""
         return self.role in STATE_ROLES
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What a VM function writes into the buffer its caller passes after the inputs: shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: str
 
 
 @dataclass(frozen=True)
@@ -166,14 +174,15 @@ class TargetSpec:
     features: tuple[str, ...] = ()
     matmul_precision: str | None = None
     bf16_products: str | None = None
-    """Where prefill products of bfloat16 weights ran in bfloat16: amx, avx512bf16, or None (float32)."""
+    """Where prefill products of bfloat16 weights ran in bfloat16: amx, avx512bf16, wmma (CUDA tensor cores), or None
+    (float32)."""
     arch: str | None = None
     cuda_compiler: str | None = None
     ptx_version: str | None = None
 
 
 TARGET_FIELDS = {"llvm": ("kind", "mtriple", "mcpu", "features", "matmul_precision", "bf16_products"),
-                 "cuda": ("kind", "arch", "cuda_compiler", "ptx_version")}
+                 "cuda": ("kind", "arch", "cuda_compiler", "ptx_version", "matmul_precision", "bf16_products")}
 
 
 @dataclass(frozen=True)
@@ -195,7 +204,8 @@ class Manifest:
     inputs: dict[str, tuple[InputSpec, ...]]
     """Each entry's runtime inputs in call order (shapes with the arena dims bound)."""
     vocab_size: int
-    functions: tuple[str, ...]
+    functions: dict[str, OutputSpec]
+    """The VM functions by name, each with its output (see compiler.lower: inputs, output buffer, weights)."""
     kernels: tuple[str, ...]
     build_options: tuple[str, ...]
     """`compiler build` options (after MODEL_DIR, without --out) that reproduce this artifact."""

@@ -4,7 +4,7 @@ Activations are float32; weights keep their checkpoint dtype (the kernels widen 
 graph runs a step over the token rows of one or more sequences (a single request is a batch of
 one): the KV of attention layers lives in pages of a shared arena [pages, block, width]; each token
 row says which sequence it belongs to (`row_of`), its position (`pos_of`), and where its K/V go
-(`slots`: page * block + offset, negative for padding rows). `n` (an int32 scalar) counts the real,
+(`slots`: page * block + offset, negative for padding rows). `n` (int32[1]) counts the real,
 unpadded rows. The recurrent ops of Qwen3.5's linear-attention layers (`batch_causal_conv1d`,
 `batch_gated_delta_rule`) keep each sequence's state in a slot of a pool they update in place, and
 give their per-token output as a fresh tensor.
@@ -42,8 +42,8 @@ def _weight(t: TensorType, shape: tuple[Dim, ...], what: str, packed: bool = Fal
            f"{what} {t}: {t.packing and t.packing.problem(t.shape)}")
 
 
-def _scalar(t: TensorType, what: str) -> None:
-    _check(t == TensorType((), "int32"), f"{what} must be an int32 scalar, got {t}")
+def _count(t: TensorType, what: str) -> None:
+    _check(t == TensorType((1,), "int32"), f"{what} must be int32[1] (a count), got {t}")
 
 
 def _embedding(ins, attrs):
@@ -105,7 +105,7 @@ def _delta_inputs(ins, attrs):
         _check(t == TensorType((rows, hv), "float32"), f"delta_inputs {what} must be float32[{rows}, heads], got {t}")
     _weight(a_log, (hv,), "delta_inputs A_log")
     _weight(dt_bias, (hv,), "delta_inputs dt_bias")
-    _scalar(n, "delta_inputs n")
+    _count(n, "delta_inputs n")
     return [TensorType((rows, 2 * hk * dk), "float32"), TensorType((rows, hv, 2), "float32")]
 
 

@@ -43,6 +43,10 @@ def verify_graph(graph: Graph, program: Program) -> None:
     for out in graph.outputs:
         if out not in defined or out in overwritten:
             raise IRError(f"{where}: output {out!r} is undefined or overwritten")
+    writer = next((op for op in graph.ops if graph.outputs and graph.outputs[0] in op.outputs), None)
+    if writer is None or len(writer.outputs) > 1 or OPS[writer.kind].inplace:
+        raise IRError(f"{where}: its first output (what a compiled function writes into its caller's buffer) must "
+                      "come from an op with one output that writes no input")
     if set(graph.roles) != set(graph.inputs):
         raise IRError(f"{where}: roles given for values that are not inputs: {sorted(set(graph.roles) - set(graph.inputs))}")
     stray = set(graph.types) - (defined - set(program.params))

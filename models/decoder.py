@@ -184,7 +184,7 @@ def step_inputs(g: GraphBuilder, sequences: bool = False) -> dict[str, str]:
     names["block_table"] = g.input("block_table", (ROWS, PAGES_PER_ROW), "int32", "block_table")
     names["last"] = g.input("last", (ROWS,), "int32", "last_tokens")
     if sequences:
-        names["n"] = g.input("n", (), "int32", "token_count")
+        names["n"] = g.input("n", (1,), "int32", "token_count")
         names |= {name: g.input(name, (ROWS,), "int32", name) for name in SEQUENCE_INPUTS}
     return names
 

@@ -39,28 +39,36 @@ class GenerationError(RudaError):
 
 
 class StepFunctions:
-    """An artifact's VM functions, each called with the same input buffers every time (a step's arrays are copied
-    into them). A CUDA artifact captures each function's kernels into a CUDA graph at its first call and replays it
-    at later ones, reading those buffers and the caller's state tensors: so each owner of state tensors (a batch
-    cache; the model, for the stateless image encoder) has functions of its own."""
+    """An artifact's VM functions, each called with the same buffers every time: a step's arrays are copied into its
+    input buffers, and it writes its output into its output buffer. A CUDA artifact captures each function's kernels
+    into one CUDA graph at its first call and replays it at later ones, reading and writing those buffers and the
+    caller's state tensors: so each owner of state tensors (a batch cache; the model, for the stateless image
+    encoder) has functions of its own."""
 
     def __init__(self, opened: OpenedArtifact, device):
         self._functions, self._device = opened.functions(device), device
-        self._buffers: dict[str, list[tvm.runtime.Tensor]] = {}
+        self._outputs = opened.manifest.functions
+        self._buffers: dict[str, tuple[list[tvm.runtime.Tensor], tvm.runtime.Tensor]] = {}
 
     def __call__(self, name: str, args: list, params) -> tvm.runtime.Tensor:
-        """Call function `name` with `args` (arrays are copied into its input buffers) and the weights `params`."""
+        """Call function `name` with `args` (arrays are copied into its input buffers) and the weights `params`; its
+        output buffer, which the next call of `name` overwrites."""
         arrays = [a for a in args if isinstance(a, np.ndarray)]
         if name not in self._buffers:
-            self._buffers[name] = [tvm.runtime.empty(a.shape, str(a.dtype), self._device) for a in arrays]
-        for buffer, array in zip(self._buffers[name], arrays):
+            out = self._outputs[name]
+            self._buffers[name] = ([tvm.runtime.empty(a.shape, str(a.dtype), self._device) for a in arrays],
+                                   tvm.runtime.empty(out.shape, out.dtype, self._device))
+        inputs, output = self._buffers[name]
+        for buffer, array in zip(inputs, arrays):
             buffer.copyfrom(array)
-        buffers = iter(self._buffers[name])
-        return self._functions[name](*[next(buffers) if isinstance(a, np.ndarray) else a for a in args], params)
+        buffers = iter(inputs)
+        self._functions[name](*[next(buffers) if isinstance(a, np.ndarray) else a for a in args], output, params)
+        return output
 
-    def input_buffers(self, name: str) -> list[tvm.runtime.Tensor]:
-        """The buffers function `name`'s arrays are copied into (none before its first call)."""
-        return list(self._buffers.get(name, ()))
+    def buffers(self, name: str) -> tuple[list[tvm.runtime.Tensor], tvm.runtime.Tensor] | None:
+        """Function `name`'s input buffers (its arrays are copied into them) and output buffer; None before its first
+        call."""
+        return self._buffers.get(name)
 
 
 @dataclass
@@ -328,8 +336,8 @@ class CompiledModel:
             at += len(new)
             last[r] = at - 1
         values = {"token_ids": ids, "token_positions": pos_of, "token_rows": row_of, "kv_slots": slots,
-                  "block_table": table, "last_tokens": last, "token_count": total, "seq_start": seq_start,
-                  "seq_len": seq_len, "seq_pos": seq_pos, "seq_slot": seq_slot}
+                  "block_table": table, "last_tokens": last, "token_count": np.array([total], np.int32),
+                  "seq_start": seq_start, "seq_len": seq_len, "seq_pos": seq_pos, "seq_slot": seq_slot}
         if self.vision is not None:
             values |= self._multimodal_values(rows, pos_of)
         entry = ATTENTION_ENTRIES[cache.attention]

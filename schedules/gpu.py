@@ -16,6 +16,7 @@ from tvm import s_tir, tirx
 from ir.packing import AWQ_PACK
 
 from . import stages
+from .gpu_wmma import tensor_core_shape, wmma_gemm
 from .loops import split_loops, static_extent
 
 THREADS = 256
@@ -32,6 +33,7 @@ TILE, MICRO, DEPTH_STEP = 64, 4, 16
 # keeps up to DECODE_ROWS rows of its word's columns in registers, and up to WARP threads split each column's depth
 # (the block's partial sums, at most WARP x DECODE_ROWS x 8 x DECODE_WORDS floats, take 32 KiB of shared memory).
 DECODE_WORDS, DECODE_ROWS = 8, 4
+NORM_THREADS = 128  # a norm's threads per row: as many partial sums, which one thread then adds
 
 
 def _bind_spatial(sch: s_tir.Schedule, loops: list) -> None:
@@ -226,12 +228,67 @@ def _rope(sch: s_tir.Schedule) -> None:
     _thread_per_output(sch, rotate)
 
 
-SCHEDULES = {"linear": _linear, "rope": _rope}
+def _norm(sch: s_tir.Schedule) -> None:
+    """RMSNorm (and the residual sum before it) as one kernel: a thread block per row (per group of a grouped norm).
+    Its threads write the group's residual sum, add their squares into partial sums in shared memory, one thread
+    adds the partials, and all of them scale the group. Every stage maps element e of the group to thread
+    e % threads, so a thread reads back only the sums it wrote itself; the partials and the group's sum of squares
+    pass between threads through shared memory, behind block barriers."""
+    *adds, sumsq, norm = stages.blocks(sch)
+    group = static_extent(sch, sch.get_loops(sumsq)[-1])
+    threads = next(t for t in (NORM_THREADS, 64, 32, 16, 8, 4, 2, 1) if group % t == 0)
+    step, lane = sch.split(sch.get_loops(sumsq)[-1], [None, threads])
+    partial = sch.rfactor(lane, factor_axis=0)  # partial[lane, row, group]: lane t sums terms t, t + threads, ...
+    if adds:  # the residual sum is an output: the other stages hang from its loops
+        (add,) = adds
+        i, h = sch.get_loops(add)
+        row = sch.fuse(i, sch.split(h, [None, group])[0])
+        _spread(sch, add, threads)
+        sch.reverse_compute_at(partial, row)
+        loops = sch.get_loops(partial)[1:]  # reverse_compute_at's loops, in block-var order (none of extent 1)
+        lane, step = loops if len(loops) == 2 else (loops[0], sch.add_unit_loop(partial))
+    else:
+        i, g, step, lane = sch.get_loops(partial)
+        row = sch.fuse(i, g)
+    sch.bind(row, "blockIdx.x")
+    sch.reorder(lane, step)
+    sch.bind(lane, "threadIdx.x")
+    sch.set_scope(partial, 0, "shared")
+    sch.reverse_compute_at(sch.cache_write(partial, 0, "local"), lane)  # summed in a register, then stored
+    sch.decompose_reduction(partial, step)
+    sch.reverse_compute_at(sumsq, row)
+    sch.set_scope(sumsq, 0, "shared")
+    lanes, unit = sch.get_loops(sumsq)[-1], sch.add_unit_loop(sumsq)
+    sch.reorder(unit, lanes)
+    thread = sch.split(unit, [None, threads])[1]
+    sch.bind(thread, "threadIdx.x")  # thread 0 adds the partials
+    sch.reverse_compute_at(sch.cache_write(sumsq, 0, "local"), thread)
+    sch.reverse_compute_at(norm, row)
+    _spread(sch, norm, threads)
+
+
+def _spread(sch: s_tir.Schedule, block, threads: int) -> None:
+    """The block's innermost loop over `threads` threads: element e to thread e % threads."""
+    sch.bind(sch.split(sch.get_loops(block)[-1], [None, threads])[1], "threadIdx.x")
+
+
+def _on_tensor_cores(func: tirx.PrimFunc, target) -> bool:
+    """Whether a `linear` kernel is a prefill product of a (plain) bfloat16 weight that a bfloat16-products build
+    runs on tensor cores: one whose sizes fit the WMMA kernel's tiles (others, and decode GEMVs, stay float32)."""
+    x, w = func.params[0], func.params[1]
+    return (getattr(target, "bf16_products", None) == "wmma" and w.dtype == "bfloat16" and len(w.shape) == 2
+            and tensor_core_shape(int(x.shape[0]), int(w.shape[0]), int(x.shape[1])))
+
+
+SCHEDULES = {"linear": _linear, "rope": _rope, "rms_norm": _norm, "add_rms_norm": _norm}
 
 
 def schedule(func: tirx.PrimFunc, kind: str, attrs: dict, target) -> tirx.PrimFunc:
     """The kernel of an op of `kind`, scheduled for an NVIDIA GPU (the same signature as `schedules.cpu.schedule`;
-    one schedule serves every arch and CUDA path, so `attrs` and `target` are not consulted)."""
+    one schedule serves every arch and CUDA path). The target matters only to a `--matmul-precision bfloat16`
+    build: its prefill products of bfloat16 weights run on tensor cores (schedules.gpu_wmma)."""
+    if kind == "linear" and _on_tensor_cores(func, target):
+        return wmma_gemm(func)
     sch = s_tir.Schedule(func)
     SCHEDULES.get(kind, _generic)(sch)
     return sch.mod["main"]

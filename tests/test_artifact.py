@@ -45,7 +45,8 @@ def test_manifest_describes_the_build(tiny_factory):
                             "kv_block": 16, "entries": ["step"], "image_patches": []}  # one row: a batch of one
     assert m["kind"] == "ruda-artifact" and set(m["files"]) == {"model.so"} and len(m["files"]["model.so"]) == 64
     assert len(m["ir_hash"]) == 64 and len(m["config_hash"]) == 64 and m["tvm_version"]
-    assert m["functions"] == ["step_t1_r1", "step_t8_r1", "step_t16_r1"]  # a decode step, and the prefill chunks
+    assert list(m["functions"]) == ["step_t1_r1", "step_t8_r1", "step_t16_r1"]  # a decode step, and the prefill chunks
+    assert m["functions"]["step_t8_r1"] == {"shape": [1, m["vocab_size"]], "dtype": "float32"}  # one row's logits
     assert any(k.startswith("paged_attention_") for k in m["kernels"])
     step = {spec["name"]: (spec["role"], spec["layer"], spec["shape"]) for spec in m["inputs"]["step"]}
     assert step["ids"] == ("token_ids", None, ["tokens"]) and step["k_pages.1"] == ("k_pages", 1, [8, 16, 32])
@@ -54,11 +55,11 @@ def test_manifest_describes_the_build(tiny_factory):
 
 
 def test_step_checks_its_inputs_but_not_each_weight(tiny_factory):
-    """The VM checks a step's inputs at every call; its weights (hundreds of tensors at real size) it leaves to the
-    kernels that take them, so a step does not spend VM instructions on each."""
+    """The VM checks a step's inputs and its output buffer at every call; its weights (hundreds of tensors at real
+    size) it leaves to the kernels that take them, so a step does not spend VM instructions on each."""
     _, artifact = tiny_factory(arch="qwen2")
     manifest = json.loads((artifact / MANIFEST).read_text())
-    tensors = sum(bool(spec["shape"]) for spec in manifest["inputs"]["step"])
+    tensors = len(manifest["inputs"]["step"]) + 1
     text = tvm.runtime.load_module(str(artifact / "model.so"))["as_text"]()
     step = text.split("@step_t1_r1:")[1].split("\n@")[0]
     assert step.count("vm.builtin.check_tensor_info") == tensors

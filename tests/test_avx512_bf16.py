@@ -157,8 +157,8 @@ def test_matmul_precision_errors_name_the_fix():
         cpu_target("skylake-avx512", "bfloat16")
     with pytest.raises(TargetError, match="'float16' is not one of float32, bfloat16, auto"):
         cpu_target(None, "float16")
-    with pytest.raises(BuildError, match="--matmul-precision only apply to --target llvm"):
-        make_target("cuda", matmul_precision="auto")
+    with pytest.raises(BuildError, match="--mcpu only applies to --target llvm"):
+        make_target("cuda", mcpu="znver5", matmul_precision="auto")
 
 
 def ours_path(artifact) -> str | None:

@@ -164,23 +164,27 @@ def test_copy_page_copies_one_page_of_every_kv_arena_on_the_device(model):
         np.testing.assert_array_equal(tensor.numpy(), want)
 
 
-def test_steps_reuse_their_input_buffers_and_each_cache_has_its_own(model):
-    """A function's inputs are copied into the same device buffers at every call (what a CUDA graph captured at the
-    first call replays), and every batch cache has functions (a virtual machine) of its own."""
+def test_steps_reuse_their_buffers_and_each_cache_has_its_own(model):
+    """A function's inputs are copied into the same device buffers at every call, and it writes its logits into the
+    same output buffer (what a CUDA graph captured at the first call replays); every batch cache has functions (a
+    virtual machine) of its own."""
     cache = model.new_cache()
     model.forward([5, 6, 7], cache)
     decode = model.buckets.function_name("step", {"tokens": 1, "rows": 1})
     functions = cache.arena.cache.functions
     logits = model.forward([8], cache)
-    first = functions.input_buffers(decode)
-    assert first and len(first) == len([s for s in model.manifest.inputs["step"] if not s.is_state and s.shape])
-    np.testing.assert_array_equal(functions.input_buffers(decode)[0].numpy(), [8])
+    inputs, output = functions.buffers(decode)
+    assert len(inputs) == len([s for s in model.manifest.inputs["step"] if not s.is_state])
+    np.testing.assert_array_equal(inputs[0].numpy(), [8])
+    np.testing.assert_array_equal(output.numpy()[0], logits)
     again = model.forward([9], cache)
-    assert all(a is b for a, b in zip(functions.input_buffers(decode), first, strict=True))
-    np.testing.assert_array_equal(functions.input_buffers(decode)[0].numpy(), [9])
+    assert all(a is b for a, b in zip(functions.buffers(decode)[0], inputs, strict=True))
+    assert functions.buffers(decode)[1] is output
+    np.testing.assert_array_equal(inputs[0].numpy(), [9])
+    np.testing.assert_array_equal(output.numpy()[0], again)
     assert not np.array_equal(logits, again)
     other = model.new_batch_cache()
-    assert other.functions is not functions and not other.functions.input_buffers(decode)
+    assert other.functions is not functions and other.functions.buffers(decode) is None
     cache.release()
 
 

@@ -36,6 +36,7 @@ from ir import (
 
 F32, I32 = "float32", "int32"
 SCALAR = TensorType((), I32)
+COUNT = TensorType((1,), I32)
 HIDDEN, KV = 8, 4
 
 RAW = {
@@ -77,7 +78,7 @@ def _builder() -> tuple[GraphBuilder, str, str, str]:
     g = GraphBuilder("g", PARAMS)
     x = g.input("x", (TOKENS, HIDDEN), F32, "input_embeddings")
     slots = g.input("slots", (TOKENS,), I32, "kv_slots")
-    n = g.input("n", (), I32, "token_count")
+    n = g.input("n", (1,), I32, "token_count")
     return g, x, slots, n
 
 
@@ -91,12 +92,12 @@ def _small_graph() -> Graph:
 
 
 def _cache_graph() -> Graph:
-    """paged_kv_append onto a runtime KV pages input, returning the written pages."""
+    """paged_kv_append onto a runtime KV pages input, returning the new keys and the written pages."""
     g, x, slots, _ = _builder()
     cache = g.input("cache", (PAGES, BLOCK, KV), F32, "k_pages", 0)
     k = g.op("linear", [x, "k_proj.w"], "k")
     new_cache = g.op("paged_kv_append", [cache, k, slots], "cache2")
-    return g.finish([new_cache])
+    return g.finish([k, new_cache])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -270,6 +271,16 @@ def test_verify_rejects_read_after_in_place_overwrite():
     _rejects(replace(g, outputs=["cache"]), "overwritten")
 
 
+def test_verify_rejects_a_first_output_no_caller_buffer_can_take():
+    """A compiled function writes its first output into its caller's buffer: so it must be the one fresh output of
+    its op, not pages written in place, nor one of an op's several outputs."""
+    g = _cache_graph()
+    _rejects(replace(g, outputs=["cache2"]), "must come from an op with one output that writes no input")
+    b, x, _, _ = _builder()
+    _, y = b.op("add_rms_norm", [x, x, "norm.w"], "fused", eps=1e-6)
+    _rejects(b.finish([y]), "must come from an op with one output that writes no input")
+
+
 def test_verify_rejects_in_place_write_to_param():
     g = _cache_graph()
     ops = list(g.ops)
@@ -317,7 +328,7 @@ GOOD = {
     "take_rows": ([X, _t(3, dtype=I32)], {}, [_t(3, HIDDEN)]),
     "slice_cols": ([X], SLICE, [_t(TOKENS, HIDDEN // 2)]),
     "sigmoid_mul": ([X, X], {}, [X]),
-    "delta_inputs": ([_t(TOKENS, 14), _t(TOKENS, 2), _t(TOKENS, 2), _t(2), _t(2, dtype="bfloat16"), SCALAR], DELTA_IN,
+    "delta_inputs": ([_t(TOKENS, 14), _t(TOKENS, 2), _t(TOKENS, 2), _t(2), _t(2, dtype="bfloat16"), COUNT], DELTA_IN,
                      [_t(TOKENS, 8), _t(TOKENS, 2, 2)]),
     "batch_causal_conv1d": ([X, _t(SLOTS, 3, HIDDEN), _t(HIDDEN, 1, 4), *[_t(ROWS, dtype=I32)] * 4], {},
                             [X, _t(SLOTS, 3, HIDDEN)]),
@@ -383,6 +394,7 @@ BAD = [
     ("sigmoid_mul shapes differ", _with("sigmoid_mul", 1, _t(1, HIDDEN))),
     ("delta_inputs no values", _with("delta_inputs", 0, _t(TOKENS, 8))),
     ("delta_inputs a heads", _with("delta_inputs", 1, _t(TOKENS, 3))),
+    ("delta_inputs n scalar", _with("delta_inputs", 5, SCALAR)),
     ("delta_inputs A_log size", _with("delta_inputs", 3, _t(3))),
     ("delta_inputs heads zero", ("delta_inputs", GOOD["delta_inputs"][0], {**DELTA_IN, "k_dim": 0})),
     ("batch_causal_conv1d pool rank", _with("batch_causal_conv1d", 1, _t(3, HIDDEN))),

@@ -23,13 +23,13 @@ NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes
 
 
 def run_kernel(kind: str, inputs: list, attrs: dict) -> list[np.ndarray]:
-    """Compile `kind` for these inputs (arrays, or ints for scalars) and return its outputs."""
-    types = [TensorType((), "int32") if isinstance(x, int) else TensorType(x.shape, str(x.dtype)) for x in inputs]
+    """Compile `kind` for these inputs (arrays) and return its outputs."""
+    types = [TensorType(x.shape, str(x.dtype)) for x in inputs]
     kernel = make_kernel(kind, types, attrs, TARGET.scan_lanes)
     func = cpu.schedule(kernel.func, kind, attrs, TARGET)
     lib = tvm.compile(func, TARGET.tvm_target())
     dev = tvm.cpu()
-    args = [x if isinstance(x, int) else tvm.runtime.tensor(x, dev) for x in inputs]
+    args = [tvm.runtime.tensor(x, dev) for x in inputs]
     args += [tvm.runtime.tensor(c, dev) for c in kernel.constants]
     out_types = infer_types(kind, types, attrs)
     inplace = OPS[kind].sources(len(out_types))
@@ -224,7 +224,7 @@ def test_delta_inputs(rows, n):
     qkv, a, b, a_log, dt_bias, _ = _delta_case(rows, n, 2, 4, 8, 6, seed=rows)
     a[0, 0], a[-1, -1] = 30.0, -25.0  # beyond softplus's linear threshold; exp(x) below the series threshold
     attrs = {"num_k_heads": 2, "k_dim": 8}
-    qk, gates = run_kernel("delta_inputs", [qkv, a, b, a_log, dt_bias, n], attrs)
+    qk, gates = run_kernel("delta_inputs", [qkv, a, b, a_log, dt_bias, np.array([n], np.int32)], attrs)
     want_qk, want_gates = ref.delta_inputs(qkv, a, b, a_log, dt_bias, n, **attrs)
     close(qk, want_qk)
     close(gates, want_gates)
