@@ -267,6 +267,16 @@ def _norm(sch: s_tir.Schedule) -> None:
     _spread(sch, norm, threads)
 
 
+def _attention(sch: s_tir.Schedule) -> None:
+    """Softmax attention in five kernels, not seven: the scores; their maximum, and their sum of exponentials, each
+    masking and exponentiating the scores as it reads them; the weighted values (recomputing the exponentials: on
+    a GPU an exp costs less than a kernel of its own); the division by the sum (it reads the sums of another
+    kernel, so it cannot join the weighted values' kernel as the bias joins a GEMV's)."""
+    for name in (stages.MASKED, stages.EXP):
+        sch.compute_inline(stages.find(sch, name))
+    _generic(sch)
+
+
 def _spread(sch: s_tir.Schedule, block, threads: int) -> None:
     """The block's innermost loop over `threads` threads: element e to thread e % threads."""
     sch.bind(sch.split(sch.get_loops(block)[-1], [None, threads])[1], "threadIdx.x")
@@ -280,7 +290,8 @@ def _on_tensor_cores(func: tirx.PrimFunc, target) -> bool:
             and tensor_core_shape(int(x.shape[0]), int(w.shape[0]), int(x.shape[1])))
 
 
-SCHEDULES = {"linear": _linear, "rope": _rope, "rms_norm": _norm, "add_rms_norm": _norm}
+SCHEDULES = {"linear": _linear, "rope": _rope, "rms_norm": _norm, "add_rms_norm": _norm,
+             "paged_attention": _attention, "padded_attention": _attention, "image_attention": _attention}
 
 
 def schedule(func: tirx.PrimFunc, kind: str, attrs: dict, target) -> tirx.PrimFunc:

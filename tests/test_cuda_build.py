@@ -329,50 +329,68 @@ def test_packed_linear_schedules_keep_the_kernel_semantics(rows, group, bias, mo
     np.testing.assert_allclose(_run_on_cpu(scheduled, args)[-1], _run_on_cpu(func, args)[-1], rtol=1e-5, atol=1e-3)
 
 
-ONE_KERNEL_CASES = {  # ops whose every stage the GPU schedule keeps in one kernel
+def _ints(*values) -> list:
+    import numpy as np
+
+    return [np.asarray(v, np.int32) for v in values]
+
+
+PAGED = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "scale": 0.25}
+FUSED_CASES = {  # ops the GPU schedule keeps in fewer kernels than stages: (kind, types, attrs, kernels, int inputs)
     "rope-decode": ("rope", [_t((1, 896)), _t((1,), "int32")],
-                    {"head_dim": 64, "inv_freq": [10000 ** (-i / 32) for i in range(32)]}),
+                    {"head_dim": 64, "inv_freq": [10000 ** (-i / 32) for i in range(32)]}, 1, None),
     "rope-multimodal": ("rope", [_t((16, 512)), _t((16, 3), "int32")],
                         {"head_dim": 128, "inv_freq": [10000 ** (-i / 32) for i in range(32)],
-                         "pos_axes": [i % 3 for i in range(32)]}),
-    "linear-bias-bf16": ("linear", [_t((1, 896)), _t((128, 896), "bfloat16"), _t((128,), "bfloat16")], {}),
-    "linear-bias-f32": ("linear", [_t((4, 256)), _t((96, 256)), _t((96,))], {}),
-    "add-norm-decode": ("add_rms_norm", [_t((1, 896)), _t((1, 896)), _t((896,), "bfloat16")], {"eps": 1e-6}),
-    "add-norm-prefill": ("add_rms_norm", [_t((5, 1536)), _t((5, 1536)), _t((1536,))], {"eps": 1e-5}),
+                         "pos_axes": [i % 3 for i in range(32)]}, 1, None),
+    "linear-bias-bf16": ("linear", [_t((1, 896)), _t((128, 896), "bfloat16"), _t((128,), "bfloat16")], {}, 1, None),
+    "linear-bias-f32": ("linear", [_t((4, 256)), _t((96, 256)), _t((96,))], {}, 1, None),
+    "add-norm-decode": ("add_rms_norm", [_t((1, 896)), _t((1, 896)), _t((896,), "bfloat16")], {"eps": 1e-6}, 1, None),
+    "add-norm-prefill": ("add_rms_norm", [_t((5, 1536)), _t((5, 1536)), _t((1536,))], {"eps": 1e-5}, 1, None),
     "norm-grouped": ("rms_norm", [_t((3, 512)), _t((128,), "bfloat16")],
-                     {"eps": 1e-6, "group": 128, "weight_offset": 1.0}),
-    "norm-odd-width": ("rms_norm", [_t((2, 48)), _t((48,))], {"eps": 1e-6}),
-    "add-norm-one-step": ("add_rms_norm", [_t((4, 64)), _t((4, 64)), _t((64,))], {"eps": 1e-6}),  # a term a thread
+                     {"eps": 1e-6, "group": 128, "weight_offset": 1.0}, 1, None),
+    "norm-odd-width": ("rms_norm", [_t((2, 48)), _t((48,))], {"eps": 1e-6}, 1, None),
+    "add-norm-one-step": ("add_rms_norm", [_t((4, 64)), _t((4, 64)), _t((64,))], {"eps": 1e-6}, 1, None),  # a term a thread
+    "attention-decode": ("paged_attention", [_t((2, 64)), _t((12, 8, 32)), _t((12, 8, 32)), _t((2, 4), "int32"),
+                                             _t((2,), "int32"), _t((2,), "int32")], PAGED, 5,
+                         _ints([[7, 2, 9, -1], [0, 11, 3, 5]], [0, 1], [21, 29])),  # two sequences, one token each
+    "attention-prefill": ("paged_attention", [_t((6, 64)), _t((12, 8, 32)), _t((12, 8, 32)), _t((1, 4), "int32"),
+                                              _t((6,), "int32"), _t((6,), "int32")], PAGED, 5,
+                          _ints([[4, 1, -1, -1]], [0] * 6, range(3, 9))),
+    "attention-images": ("image_attention", [_t((8, 32))] * 3 + [_t((8,), "int32")],
+                         {"num_heads": 2, "head_dim": 16, "scale": 0.25}, 5, _ints([0, 0, 0, 1, 1, 1, 1, 1])),
 }
 
 
-@pytest.mark.parametrize("case", sorted(ONE_KERNEL_CASES))
-def test_fused_gpu_schedules_are_one_kernel_and_keep_the_semantics(case, monkeypatch, tmp_path):
+@pytest.mark.parametrize("case", sorted(FUSED_CASES))
+def test_fused_gpu_schedules_keep_the_semantics_in_fewer_kernels(case, monkeypatch, tmp_path):
     """Rotary embedding (its cos and sin inlined), a decode GEMV with its bias add (added by the thread that sums
-    the output) and RMSNorm with its residual sum (a thread block per row or group) are one GPU kernel each, and
-    replayed serially on the CPU they compute what the kernel does, every output of it."""
+    the output) and RMSNorm with its residual sum (a thread block per row or group) are one GPU kernel each;
+    attention's seven stages are five kernels (the mask and the exponentials computed where they are read).
+    Replayed serially on the CPU, each computes what the kernel does, every output of it."""
     import numpy as np
     import tvm
 
     from compiler.kernels import make_kernel
     from schedules import gpu
 
-    kind, types, attrs = ONE_KERNEL_CASES[case]
+    kind, types, attrs, kernels, ints = FUSED_CASES[case]
     kernel = make_kernel(kind, types, attrs)
     target = cuda_target("sm_90", "ptx")
     cuda.prepare_environment()
     lib = tvm.compile(gpu.schedule(kernel.func, kind, attrs, target), target.tvm_target(),
                       tir_pipeline=target.tir_pipeline())
     (ptx,) = cuda.export_with_ptx(lib, tmp_path / "kernel.so", target)
-    assert ptx.count(".entry") == 1
+    assert ptx.count(".entry") == kernels
     rng = np.random.default_rng(0)
-    args = [rng.integers(0, 4000, t.shape).astype(np.int32) if t.dtype == "int32"
+    given = iter(ints) if ints else None  # else random ints (positions)
+    args = [(next(given) if given else rng.integers(0, 4000, t.shape).astype(np.int32)) if t.dtype == "int32"
             else rng.standard_normal(t.shape).astype(np.float32).astype(t.dtype) for t in types]
     args += list(kernel.constants)
     inputs = len(args)
     args += [np.zeros(tuple(int(d) for d in p.shape), str(p.dtype)) for p in kernel.func.params[inputs:]]
     scheduled = _serial_gpu_schedule(kernel.func, kind, attrs, monkeypatch)
     for got, want in zip(_run_on_cpu(scheduled, args)[inputs:], _run_on_cpu(kernel.func, args)[inputs:], strict=True):
+        assert np.isfinite(want).all()
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
