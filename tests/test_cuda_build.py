@@ -444,16 +444,17 @@ print(json.dumps({name: host_launches(text, name) for name in sys.argv[2:]}))
 
 @pytest.mark.parametrize("arch_name", ["qwen2", "qwen3_5"])
 def test_a_cuda_step_is_one_graph_launch(checkpoints, tmp_path, arch_name):
-    """Every step function of a CUDA artifact is one host launch: the replay of one CUDA graph of all its kernels,
-    the product that writes the logits (into the caller's buffer) and Qwen3.5's reads of the step's token count (a
-    device tensor) included. Loaded here through the stand-in driver: the module's VM code, not a GPU run."""
+    """Every step function of a CUDA artifact (each token and row bucket) is one host launch: the replay of one
+    CUDA graph of all its kernels, the product that writes the logits (into the caller's buffer) and Qwen3.5's reads
+    of the step's token count (a device tensor) included. Loaded here through the stand-in driver: the module's VM code, not a GPU run."""
     import sys
 
     from cuda_standin import tvm_cuda_loader, write_standin
 
-    artifact = _build(checkpoints[arch_name], tmp_path / "a").path
+    artifact = _build(checkpoints[arch_name], tmp_path / "a", batch_rows=(1, 4), kv_pages=32).path
     manifest = json.loads((artifact / "manifest.json").read_text())
     steps = [f for f in manifest["functions"] if f.startswith("step_")]
+    assert {"step_t1_r1", "step_t4_r4", "step_t16_r4"} <= set(steps)  # decode and prefill, one row and a batch
     standin = write_standin(tmp_path / "driver", tvm_cuda_loader()).parent
     env = {"LD_LIBRARY_PATH": str(standin), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", GRAPH_SCRIPT, str(artifact / "model.so"), *steps], env=env,
