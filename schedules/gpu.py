@@ -16,6 +16,7 @@ from tvm import s_tir, tirx
 from ir.packing import AWQ_PACK
 
 from . import stages
+from .gpu_attention import paged_attention
 from .gpu_wmma import tensor_core_shape, wmma_gemm
 from .loops import split_loops, static_extent
 
@@ -268,7 +269,7 @@ def _norm(sch: s_tir.Schedule) -> None:
 
 
 def _attention(sch: s_tir.Schedule) -> None:
-    """Softmax attention in five kernels, not seven: the scores; their maximum, and their sum of exponentials, each
+    """Softmax attention of the legacy and image paths in five kernels, not seven: the scores; their maximum, and their sum of exponentials, each
     masking and exponentiating the scores as it reads them; the weighted values (recomputing the exponentials: on
     a GPU an exp costs less than a kernel of its own); the division by the sum (it reads the sums of another
     kernel, so it cannot join the weighted values' kernel as the bias joins a GEMV's)."""
@@ -291,15 +292,18 @@ def _on_tensor_cores(func: tirx.PrimFunc, target) -> bool:
 
 
 SCHEDULES = {"linear": _linear, "rope": _rope, "rms_norm": _norm, "add_rms_norm": _norm,
-             "paged_attention": _attention, "padded_attention": _attention, "image_attention": _attention}
+             "padded_attention": _attention, "image_attention": _attention}
 
 
 def schedule(func: tirx.PrimFunc, kind: str, attrs: dict, target) -> tirx.PrimFunc:
     """The kernel of an op of `kind`, scheduled for an NVIDIA GPU (the same signature as `schedules.cpu.schedule`;
-    one schedule serves every arch and CUDA path). The target matters only to a `--matmul-precision bfloat16`
-    build: its prefill products of bfloat16 weights run on tensor cores (schedules.gpu_wmma)."""
+    one schedule serves every arch and CUDA path). Paged attention is a written kernel (schedules.gpu_attention).
+    The target matters only to a `--matmul-precision bfloat16` build: its prefill products of bfloat16 weights run
+    on tensor cores (schedules.gpu_wmma)."""
     if kind == "linear" and _on_tensor_cores(func, target):
         return wmma_gemm(func)
+    if kind == "paged_attention":
+        return paged_attention(func, attrs)
     sch = s_tir.Schedule(func)
     SCHEDULES.get(kind, _generic)(sch)
     return sch.mod["main"]

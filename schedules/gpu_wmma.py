@@ -35,6 +35,13 @@ def tensor_core_shape(rows: int, cols: int, depth: int) -> bool:
     return any(rows % r == 0 for r in WARP_GRIDS) and cols % TILE_COLS == 0 and depth % DEPTH == 0
 
 
+def thread_loop(emulate: bool):
+    """loop(extent, tag): a loop bound to GPU thread axis `tag`, or, to emulate the kernel on the CPU, a serial one."""
+    if emulate:
+        return lambda extent, tag: T.serial(extent)
+    return lambda extent, tag: T.thread_binding(extent, thread=tag)
+
+
 def _rounded(v):
     """float32 `v` rounded to the nearest bfloat16, as bfloat16."""
     return T.Cast("bfloat16", T.reinterpret("float32", T.Cast("uint32", bf16_bits(v)) << T.uint32(16)))
@@ -50,8 +57,7 @@ def wmma_gemm(func: tirx.PrimFunc, emulate: bool = False) -> tirx.PrimFunc:
     sets = WARPS if emulate else 1  # emulated fragments: a set per warp (on the GPU each warp's are its own)
     scopes = ("local",) * 3 if emulate else ("wmma.matrix_a", "wmma.matrix_b", "wmma.accumulator")
 
-    def threads(extent, tag):
-        return T.serial(extent) if emulate else T.thread_binding(extent, thread=tag)
+    threads = thread_loop(emulate)
 
     def index(warp, i, per):
         """Fragment i of a warp's `per` in its fragment buffer."""

@@ -335,7 +335,6 @@ def _ints(*values) -> list:
     return [np.asarray(v, np.int32) for v in values]
 
 
-PAGED = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "scale": 0.25}
 FUSED_CASES = {  # ops the GPU schedule keeps in fewer kernels than stages: (kind, types, attrs, kernels, int inputs)
     "rope-decode": ("rope", [_t((1, 896)), _t((1,), "int32")],
                     {"head_dim": 64, "inv_freq": [10000 ** (-i / 32) for i in range(32)]}, 1, None),
@@ -350,22 +349,20 @@ FUSED_CASES = {  # ops the GPU schedule keeps in fewer kernels than stages: (kin
                      {"eps": 1e-6, "group": 128, "weight_offset": 1.0}, 1, None),
     "norm-odd-width": ("rms_norm", [_t((2, 48)), _t((48,))], {"eps": 1e-6}, 1, None),
     "add-norm-one-step": ("add_rms_norm", [_t((4, 64)), _t((4, 64)), _t((64,))], {"eps": 1e-6}, 1, None),  # a term a thread
-    "attention-decode": ("paged_attention", [_t((2, 64)), _t((12, 8, 32)), _t((12, 8, 32)), _t((2, 4), "int32"),
-                                             _t((2,), "int32"), _t((2,), "int32")], PAGED, 5,
-                         _ints([[7, 2, 9, -1], [0, 11, 3, 5]], [0, 1], [21, 29])),  # two sequences, one token each
-    "attention-prefill": ("paged_attention", [_t((6, 64)), _t((12, 8, 32)), _t((12, 8, 32)), _t((1, 4), "int32"),
-                                              _t((6,), "int32"), _t((6,), "int32")], PAGED, 5,
-                          _ints([[4, 1, -1, -1]], [0] * 6, range(3, 9))),
     "attention-images": ("image_attention", [_t((8, 32))] * 3 + [_t((8,), "int32")],
                          {"num_heads": 2, "head_dim": 16, "scale": 0.25}, 5, _ints([0, 0, 0, 1, 1, 1, 1, 1])),
+    "attention-legacy": ("padded_attention", [_t((3, 32)), _t((2, 12, 16)), _t((2, 12, 16)), _t((3,), "int32"),
+                                              _t((3,), "int32")], {"num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
+                                                                   "scale": 0.25}, 5, _ints([0, 1, 1], [5, 9, 11])),
 }
 
 
 @pytest.mark.parametrize("case", sorted(FUSED_CASES))
 def test_fused_gpu_schedules_keep_the_semantics_in_fewer_kernels(case, monkeypatch, tmp_path):
     """Rotary embedding (its cos and sin inlined), a decode GEMV with its bias add (added by the thread that sums
-    the output) and RMSNorm with its residual sum (a thread block per row or group) are one GPU kernel each;
-    attention's seven stages are five kernels (the mask and the exponentials computed where they are read).
+    the output) and RMSNorm with its residual sum (a thread block per row or group) are one GPU kernel each; the
+    image and legacy attention's seven stages are five kernels (the mask and the exponentials computed where they
+    are read).
     Replayed serially on the CPU, each computes what the kernel does, every output of it."""
     import numpy as np
     import tvm
@@ -392,6 +389,52 @@ def test_fused_gpu_schedules_keep_the_semantics_in_fewer_kernels(case, monkeypat
     for got, want in zip(_run_on_cpu(scheduled, args)[inputs:], _run_on_cpu(kernel.func, args)[inputs:], strict=True):
         assert np.isfinite(want).all()
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+PAGED = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "scale": 0.25}
+PAGED_CASES = {  # (q rows, pages, block, attrs, block table, row_of, pos_of)
+    "decode-two-sequences": (2, 12, 8, PAGED, [[7, 2, 9, -1], [0, 11, 3, 5]], [0, 1], [21, 29]),
+    "prefill-one-sequence": (6, 12, 8, PAGED, [[4, 1, -1, -1]], [0] * 6, list(range(3, 9))),
+    "decode-three-chunks": (1, 40, 16, {"num_heads": 2, "num_kv_heads": 1, "head_dim": 256, "scale": 0.0625},
+                            [list(range(39, 19, -1))], [0], [300]),  # head_dim over the block's threads too
+    "decode-qwen2.5-heads": (1, 40, 16, {"num_heads": 14, "num_kv_heads": 2, "head_dim": 64, "scale": 0.125},
+                             [list(range(20))], [0], [127]),  # exactly one chunk
+}
+
+
+@pytest.mark.parametrize("case", sorted(PAGED_CASES))
+def test_paged_attention_is_one_kernel_over_the_visible_positions(case, tmp_path):
+    """Paged attention on the GPU is one written kernel (a block per row and head, an online softmax over chunks of
+    the row's visible positions). Its emulated form (the same loops on the CPU, each barrier-separated phase a loop
+    nest of its own) equals the unscheduled seven-stage kernel; the GPU form is one PTX entry that ptxas takes."""
+    import numpy as np
+    import tvm
+
+    from compiler.kernels import make_kernel
+    from schedules import gpu
+    from schedules.gpu_attention import paged_attention
+
+    rows, pages, block, attrs, table, row_of, pos_of = PAGED_CASES[case]
+    width, kv = attrs["num_heads"] * attrs["head_dim"], attrs["num_kv_heads"] * attrs["head_dim"]
+    ints = _ints(table, row_of, pos_of)
+    types = [_t((rows, width)), _t((pages, block, kv)), _t((pages, block, kv))] + [
+        _t(a.shape, "int32") for a in ints]
+    func = make_kernel("paged_attention", types, attrs).func
+    rng = np.random.default_rng(rows)
+    args = [rng.standard_normal(t.shape).astype(np.float32) for t in types[:3]] + ints + [
+        np.zeros((rows, width), np.float32)]
+    want = _run_on_cpu(func, args)[-1]
+    assert np.isfinite(want).all()
+    np.testing.assert_allclose(_run_on_cpu(paged_attention(func, attrs, emulate=True), args)[-1], want, rtol=1e-5,
+                               atol=1e-5)
+    target = cuda_target("sm_90", "ptx")
+    cuda.prepare_environment()
+    lib = tvm.compile(gpu.schedule(func, "paged_attention", attrs, target), target.tvm_target(),
+                      tir_pipeline=target.tir_pipeline())
+    (ptx,) = cuda.export_with_ptx(lib, tmp_path / "kernel.so", target)
+    assert ptx.count(".entry") == 1 and ptx.count("bar.sync") >= 5
+    (tmp_path / "k.ptx").write_text(ptx)
+    assert subprocess.run(["ptxas", "-arch=sm_90", str(tmp_path / "k.ptx"), "-o", "/dev/null"]).returncode == 0
 
 
 @pytest.mark.parametrize("compiler", ["ptx", "nvcc"])
