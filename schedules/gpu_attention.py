@@ -133,6 +133,7 @@ def paged_attention(func: tirx.PrimFunc, attrs: dict, emulate: bool = False) -> 
                 reg[1] = total[0]
                 for c in range(columns):
                     if c * THREADS + t < dim:
-                        out[rh // heads, rh % heads * dim + c * THREADS + t] = acc[c * THREADS + t] / reg[1]
+                        out[rh // heads, rh % heads * dim + c * THREADS + t] = T.if_then_else(  # no position: 0
+                            reg[1] > T.float32(0), acc[c * THREADS + t] / reg[1], T.float32(0))
 
     return attention

@@ -394,6 +394,7 @@ def test_fused_gpu_schedules_keep_the_semantics_in_fewer_kernels(case, monkeypat
 PAGED = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "scale": 0.25}
 PAGED_CASES = {  # (q rows, pages, block, attrs, block table, row_of, pos_of)
     "decode-two-sequences": (2, 12, 8, PAGED, [[7, 2, 9, -1], [0, 11, 3, 5]], [0, 1], [21, 29]),
+    "decode-and-a-row-of-nothing": (2, 12, 8, PAGED, [[7, 2, 9, -1]], [0, 0], [21, -1]),  # no visible position: 0
     "prefill-one-sequence": (6, 12, 8, PAGED, [[4, 1, -1, -1]], [0] * 6, list(range(3, 9))),
     "decode-three-chunks": (1, 40, 16, {"num_heads": 2, "num_kv_heads": 1, "head_dim": 256, "scale": 0.0625},
                             [list(range(39, 19, -1))], [0], [300]),  # head_dim over the block's threads too
