@@ -269,10 +269,11 @@ def _norm(sch: s_tir.Schedule) -> None:
 
 
 def _attention(sch: s_tir.Schedule) -> None:
-    """Softmax attention of the legacy and image paths in five kernels, not seven: the scores; their maximum, and their sum of exponentials, each
-    masking and exponentiating the scores as it reads them; the weighted values (recomputing the exponentials: on
-    a GPU an exp costs less than a kernel of its own); the division by the sum (it reads the sums of another
-    kernel, so it cannot join the weighted values' kernel as the bias joins a GEMV's)."""
+    """Softmax attention of the legacy and image paths in five kernels, not seven: the scores; their maximum, and
+    their sum of exponentials, each masking and exponentiating the scores as it reads them; the weighted values
+    (recomputing the exponentials: on a GPU an exp costs less than a kernel of its own); the division by the sum
+    (it reads the sums of another kernel, so it cannot join the weighted values' kernel as the bias joins a
+    GEMV's)."""
     for name in (stages.MASKED, stages.EXP):
         sch.compute_inline(stages.find(sch, name))
     _generic(sch)

@@ -6,10 +6,11 @@ out, a block reads only positions 0..pos_of[row] of its row's pages, a chunk of 
 online softmax: each thread scores one position of the chunk (its key row dotted with the query head in shared
 memory), PARTS threads take the maximum of SPAN scores each and one thread the maximum of those (rescaling the
 running sum), every thread exponentiates its score, and each thread adds the chunk's weighted values into its
-columns of the head's accumulator while PARTS threads sum the exponentials in parts (added in at the next chunk). The loop
-runs as many chunks as the row has positions, the same count for all threads of a block, so the block barriers
-between the phases are safe. With `emulate` the same loops run on the CPU (thread loops serial, each phase its own
-loop nest over the threads, as block barriers separate them): the tests check it against the unscheduled kernel.
+columns of the head's accumulator while PARTS threads sum the exponentials in parts (added in at the next
+chunk). The loop runs as many chunks as the row has positions, the same count for all threads of a block, so
+the block barriers between the phases are safe. With `emulate` the same loops run on the CPU (thread loops
+serial, each phase its own loop nest over the threads, as block barriers separate them): the tests check it
+against the unscheduled kernel.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ PARTS, SPAN = 16, 8  # a chunk's maximum and sum: PARTS threads reduce SPAN valu
 
 def paged_attention(func: tirx.PrimFunc, attrs: dict, emulate: bool = False) -> tirx.PrimFunc:
     """The one-kernel form of `paged_attention` kernel `func` (its signature, attributes `attrs`)."""
-    q_buf, k_buf, v_buf, table_buf, row_buf, pos_buf = func.params[:6]
+    q_buf, k_buf, _, table_buf = func.params[:4]
     rows, width = (int(d) for d in q_buf.shape)
     pages, block, kv_width = (int(d) for d in k_buf.shape)
     table_shape = tuple(int(d) for d in table_buf.shape)
@@ -74,9 +75,9 @@ def paged_attention(func: tirx.PrimFunc, attrs: dict, emulate: bool = False) -> 
                     if chunk * THREADS + t <= pos_of[rh // heads]:
                         reg[0] = T.float32(0)
                         for d in range(dim):
-                            reg[0] = reg[0] + qs[d] * k[T.max(table[row_of[rh // heads], (chunk * THREADS + t) // block],
-                                                              0), (chunk * THREADS + t) % block,
-                                                        rh % heads // group * dim + d]
+                            reg[0] = reg[0] + qs[d] * k[
+                                T.max(table[row_of[rh // heads], (chunk * THREADS + t) // block], 0),
+                                (chunk * THREADS + t) % block, rh % heads // group * dim + d]
                         reg[0] = reg[0] * T.float32(scale)
                     p[t] = reg[0]
                 for t in threads(THREADS, "threadIdx.x"):  # PARTS threads: the maximum of SPAN scores each

@@ -348,7 +348,8 @@ FUSED_CASES = {  # ops the GPU schedule keeps in fewer kernels than stages: (kin
     "norm-grouped": ("rms_norm", [_t((3, 512)), _t((128,), "bfloat16")],
                      {"eps": 1e-6, "group": 128, "weight_offset": 1.0}, 1, None),
     "norm-odd-width": ("rms_norm", [_t((2, 48)), _t((48,))], {"eps": 1e-6}, 1, None),
-    "add-norm-one-step": ("add_rms_norm", [_t((4, 64)), _t((4, 64)), _t((64,))], {"eps": 1e-6}, 1, None),  # a term a thread
+    "add-norm-one-step": ("add_rms_norm", [_t((4, 64)), _t((4, 64)), _t((64,))], {"eps": 1e-6}, 1,
+                          None),  # a term a thread
     "attention-images": ("image_attention", [_t((8, 32))] * 3 + [_t((8,), "int32")],
                          {"num_heads": 2, "head_dim": 16, "scale": 0.25}, 5, _ints([0, 0, 0, 1, 1, 1, 1, 1])),
     "attention-legacy": ("padded_attention", [_t((3, 32)), _t((2, 12, 16)), _t((2, 12, 16)), _t((3,), "int32"),
@@ -490,7 +491,8 @@ print(json.dumps({name: host_launches(text, name) for name in sys.argv[2:]}))
 def test_a_cuda_step_is_one_graph_launch(checkpoints, tmp_path, arch_name):
     """Every step function of a CUDA artifact (each token and row bucket) is one host launch: the replay of one
     CUDA graph of all its kernels, the product that writes the logits (into the caller's buffer) and Qwen3.5's reads
-    of the step's token count (a device tensor) included. Loaded here through the stand-in driver: the module's VM code, not a GPU run."""
+    of the step's token count (a device tensor) included. Loaded here through the stand-in driver: the module's VM
+    code, not a GPU run."""
     import sys
 
     from cuda_standin import tvm_cuda_loader, write_standin
@@ -531,7 +533,8 @@ def test_tensor_core_kernel_computes_the_bf16_rounded_product(rows, cols, depth,
     b = rng.standard_normal(cols).astype(ml_dtypes.bfloat16)
     args = [x, w] + ([b] if bias else []) + [np.zeros((rows, cols), np.float32)]
     got = _run_on_cpu(wmma_gemm(make_kernel("linear", types, {}).func, emulate=True), args)[-1]
-    want = x.astype(ml_dtypes.bfloat16).astype(np.float64) @ w.astype(np.float64).T + (b.astype(np.float64) if bias else 0)
+    bias_values = b.astype(np.float64) if bias else 0
+    want = x.astype(ml_dtypes.bfloat16).astype(np.float64) @ w.astype(np.float64).T + bias_values
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     assert np.abs(x @ w.astype(np.float32).T - want).max() > 1e-2  # the rounding shows: a float32 product would fail
 
