@@ -1,8 +1,8 @@
 """One compute definition per IR op: concrete input types in, an unscheduled TensorIR PrimFunc out.
 
-Every kernel takes its op's inputs in order, then any constant
-tensors the op needs (`Kernel.constants`), then writes fresh outputs; in-place ops (`paged_kv_append`, the
-recurrent ops' state pools) write into their input instead. Float math is float32; weights are widened where they are read.
+Every kernel takes its op's inputs in order, then any constant tensors the op needs (`Kernel.constants`), then
+writes fresh outputs; in-place ops (`paged_kv_append`, the recurrent ops' state pools) write into their input
+instead. Float math is float32; weights are widened where they are read.
 """
 
 from __future__ import annotations

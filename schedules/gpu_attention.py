@@ -18,7 +18,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .gpu_wmma import thread_loop
+from .written import thread_loop
 
 THREADS = 128  # positions per chunk; a block's threads
 PARTS, SPAN = 16, 8  # a chunk's maximum and sum: PARTS threads reduce SPAN values each, then one thread the parts
@@ -95,10 +95,12 @@ def paged_attention(func: tirx.PrimFunc, attrs: dict, emulate: bool = False) -> 
                         for s in range(PARTS):
                             reg[0] = T.max(reg[0], pmax[s])
                             reg[1] = reg[1] + psum[s]  # the previous chunk's sum
-                        first[1] = reg[1] * T.exp(first[0] - reg[0])
-                        top[1] = T.exp(first[0] - reg[0])
+                        first[1] = reg[1]
+                        reg[1] = T.exp(first[0] - reg[0])  # the rescaling factor, once
+                        first[1] = first[1] * reg[1]
                         first[0] = reg[0]
                         top[0] = reg[0]
+                        top[1] = reg[1]
                 for t in threads(THREADS, "threadIdx.x"):
                     barrier()
                     reg[1] = top[0]

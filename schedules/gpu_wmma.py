@@ -19,7 +19,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .written import bf16_bits, linear_func
+from .written import bf16_bits, linear_func, thread_loop
 
 FRAGMENT = 16  # a WMMA fragment's side (m16n16k16)
 WARPS = 4
@@ -33,13 +33,6 @@ WARP_GRIDS = {64: (2, 2), 32: (2, 2), 16: (1, 4)}  # a block's rows -> its warps
 def tensor_core_shape(rows: int, cols: int, depth: int) -> bool:
     """Whether a product of these sizes fits the kernel's tiles."""
     return any(rows % r == 0 for r in WARP_GRIDS) and cols % TILE_COLS == 0 and depth % DEPTH == 0
-
-
-def thread_loop(emulate: bool):
-    """loop(extent, tag): a loop bound to GPU thread axis `tag`, or, to emulate the kernel on the CPU, a serial one."""
-    if emulate:
-        return lambda extent, tag: T.serial(extent)
-    return lambda extent, tag: T.thread_binding(extent, thread=tag)
 
 
 def _rounded(v):

@@ -1,4 +1,4 @@
-"""What the hand-written CPU kernels share."""
+"""What the hand-written kernels share (CPU, and the GPU ones with their CPU emulation)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,13 @@ FLOATS_PER_LINE = CACHE_LINE // 4
 def prefetch(element, into_l1: bool = False):
     """A software prefetch (read) of the cache line holding `element` (a buffer element), into L2, or into L1 too."""
     return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(element), 0, 3 if into_l1 else 2, 1)
+
+
+def thread_loop(emulate: bool):
+    """loop(extent, tag): a loop bound to GPU thread axis `tag`, or, to emulate the kernel on the CPU, a serial one."""
+    if emulate:
+        return lambda extent, tag: T.serial(extent)
+    return lambda extent, tag: T.thread_binding(extent, thread=tag)
 
 
 def linear_func(func: tirx.PrimFunc, products) -> tirx.PrimFunc:
