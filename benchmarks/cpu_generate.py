@@ -7,9 +7,11 @@
 --shape and --dtype take a name, a comma-separated list or `all`. For each shape and dtype the run
 makes a random-weight checkpoint in Hugging Face format (benchmarks/checkpoints.py), builds it for
 llvm, measures this machine's memory read bandwidth (numpy max, one share of 1 GiB per core), opens every engine
-in this process with the same number of threads (every core it may use), and runs them in turn, one run each per
-round, --runs rounds (alternating, so that the drift of a shared host's speed hits every engine alike; a short
-pause after each run lets that engine's threads stop spinning):
+in this process with the same number of threads (every core it may use), and runs them in turn, --runs rounds:
+in a round each engine prefills (the order rotating from round to round), then their decode steps interleave, a
+slice of each engine's in turn (DECODE_SLICES slices), so that a shared host's drift, which can move its memory
+bandwidth by half within seconds, hits every engine alike; a short pause after each engine's turn lets its threads
+stop spinning:
 
 - ours: the compiled artifact through CompiledModel; for bfloat16 and AWQ also one built with --matmul-precision
   bfloat16 (prefill products on AMX tiles, else AVX512-BF16 dot products, which AWQ weights do not have yet: their
@@ -58,7 +60,8 @@ from benchmarks.host import cpu_description
 DTYPES = ("bfloat16", "float32")
 GGUF_TYPES = {"float32": ("f32",), "bfloat16": ("bf16", "f16"), "float16": ("f16",), "awq": tuple(QUANT_TYPES)}
 AWQ_GROUP = 128
-PAUSE_S = 0.5  # between two engines' runs: the threads of the one that ran (OpenMP) stop spinning
+PAUSE_S = 0.5  # between two engines' turns: the threads of the one that ran (OpenMP) stop spinning
+DECODE_SLICES = 8  # a round's decode steps, in this many slices that the engines take in turn
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -196,17 +199,49 @@ def open_engine(stack: ExitStack, peer, source, args, prompt: list[int], threads
 
 
 def run_rounds(engines: list[dict], tokens: int, rounds: int) -> list[dict]:
-    """Every open engine once per round, in turn, `rounds` times; each engine's medians (or the error that stopped
-    it). Alternating, not one engine's runs after another's: a shared host's speed drifts over minutes."""
-    for _ in range(rounds):
-        for e in (e for e in engines if "steps" in e):
-            try:
-                e["runs"].append(one_run(*e["steps"], tokens))
-            except Exception as error:  # noqa: BLE001
-                e.pop("steps")
-                e["error"] = f"{type(error).__name__}: {error}"
-            time.sleep(PAUSE_S)
+    """Every open engine once per round, `rounds` times: each prefills in turn (the order rotating by round), then
+    their tokens-1 decode steps interleave, DECODE_SLICES slices taken in turn; each engine's medians (or the error
+    that stopped it). Not one engine's run after another's: a shared host's speed drifts within seconds."""
+    slices = [len(s) for s in np.array_split(np.arange(tokens - 1), DECODE_SLICES) if len(s)]
+    for round_ in range(rounds):
+        live = [e for e in engines if "steps" in e]
+        live = live[round_ % len(live):] + live[:round_ % len(live)] if live else []
+        for e in live:
+            _turn(e, _prefill, tokens)
+        for steps in slices:
+            for e in (e for e in live if "steps" in e):
+                _turn(e, _decode, steps)
+        for e in (e for e in live if "steps" in e):
+            e["runs"].append((tokens / e.pop("prefill_s"), (tokens - 1) / e.pop("decode_s")))
+            e.pop("state")
     return [_result(e) for e in engines]
+
+
+def _turn(engine: dict, action, count: int) -> None:
+    """One timed turn of an engine, then the pause; an exception stops the engine (its row gives the error)."""
+    try:
+        action(engine, count)
+    except Exception as error:  # noqa: BLE001
+        for key in ("steps", "state", "prefill_s", "decode_s"):
+            engine.pop(key, None)
+        engine["error"] = f"{type(error).__name__}: {error}"
+    time.sleep(PAUSE_S)
+
+
+def _prefill(engine: dict, tokens: int) -> None:
+    """The round's prefill: a fresh state (the last round's cache goes with the old one), its seconds recorded."""
+    engine.pop("state", None)
+    start = time.perf_counter()
+    engine["state"] = engine["steps"][0]()
+    engine["prefill_s"], engine["decode_s"] = time.perf_counter() - start, 0.0
+
+
+def _decode(engine: dict, steps: int) -> None:
+    """`steps` decode steps from the engine's state, their seconds added to the round's decode time."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine["state"] = engine["steps"][1](engine["state"])
+    engine["decode_s"] += time.perf_counter() - start
 
 
 def _result(engine: dict) -> dict:

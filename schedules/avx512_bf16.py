@@ -10,7 +10,10 @@ are 16 token rows: `a` holds one depth pair of each, from the activations packed
 place (w is [out, in], so a pair is one 32-bit word) and broadcast to every lane. A register tile of up to
 4 x 16 token rows by up to 8 weight rows (at most 16 accumulators; 4 x 4 where the shape allows: 8 loads per 16
 dot products) keeps its sums in registers; a task is a block of output columns that every tile of token rows
-passes over, one depth block at a time (so the block's weights and activations stay in L2), adding into y.
+passes over, one depth block at a time (so the block's weights and activations stay in L2). Between depth blocks
+the task keeps its sums in a buffer of its own, a column's token rows side by side as the registers hold them, and
+writes them to y once at the end: kept in y, each register's 16 token rows of one column were 16 scattered
+accesses at every block, which cost the kernel 1.6-4.2x on a Zen 5 (docs/performance.md).
 
 TVM's LLVM backend stores bfloat16 as 16-bit integers and computes on it in float32, so no TVM expression has
 LLVM's `<32 x bfloat>` type that the intrinsic takes. The kernel calls a small LLVM IR function instead
@@ -82,11 +85,16 @@ def dpbf16_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.PrimFunc
         """The first weight row of half h of a task's register tile ct."""
         return task * task_cols + ct * cols + h * half
 
+    def local(ct, h):
+        """The first column, within its task, of half h of register tile ct."""
+        return ct * cols + h * half
+
     @T.macro
-    def start(acc, y, first, kb, row, col):
+    def start(acc, part, first, kb, task, tv, ct, h):
         for c, v in T.grid(half, vecs):
             for lane in T.vectorized(LANES):
-                acc[c, v, lane] = T.if_then_else(kb == 0, first(col + c), y[row + v * LANES + lane, col + c])
+                acc[c, v, lane] = T.if_then_else(kb == 0, first(task * task_cols + local(ct, h) + c),
+                                                 part[local(ct, h) + c, row(tv) + v * LANES + lane])
 
     @T.macro
     def dots(acc, xw, ww, tv, col, pair):
@@ -97,10 +105,10 @@ def dpbf16_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.PrimFunc
                     T.broadcast(ww[col + c, pair], LANES))
 
     @T.macro
-    def finish(acc, y, row, col):
+    def finish(acc, part, tv, ct, h):
         for c, v in T.grid(half, vecs):
             for lane in T.vectorized(LANES):
-                y[row + v * LANES + lane, col + c] = acc[c, v, lane]
+                part[local(ct, h) + c, row(tv) + v * LANES + lane] = acc[c, v, lane]
 
     @T.macro
     def products(x, w, y, first):
@@ -114,13 +122,18 @@ def dpbf16_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.PrimFunc
                 # puts larger ones on the heap), where LLVM keeps them in registers
                 acc0 = T.alloc_buffer((half, vecs, LANES), "float32")
                 acc1 = T.alloc_buffer((half, vecs, LANES), "float32")
+                # the task's sums between depth blocks, a column's token rows side by side (as the registers hold
+                # them): whole vectors in and out, where y's layout would scatter 16 rows of one column
+                part = T.alloc_buffer((task_cols, m), "float32")
                 for kb, tv, ct in T.grid(pairs // block, m // LANES // vecs, task_cols // cols):
-                    start(acc0, y, first, kb, row(tv), col(task, ct, 0))
-                    start(acc1, y, first, kb, row(tv), col(task, ct, 1))
+                    start(acc0, part, first, kb, task, tv, ct, 0)
+                    start(acc1, part, first, kb, task, tv, ct, 1)
                     for d in range(block):
                         dots(acc0, xw, ww, tv, col(task, ct, 0), kb * block + d)
                         dots(acc1, xw, ww, tv, col(task, ct, 1), kb * block + d)
-                    finish(acc0, y, row(tv), col(task, ct, 0))
-                    finish(acc1, y, row(tv), col(task, ct, 1))
+                    finish(acc0, part, tv, ct, 0)
+                    finish(acc1, part, tv, ct, 1)
+                for r, c in T.grid(m, task_cols):
+                    y[r, task * task_cols + c] = part[c, r]
 
     return linear_func(func, products)

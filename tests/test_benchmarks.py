@@ -1,4 +1,5 @@
-"""The end-to-end CPU benchmark's harness: engines run alternately, round by round, and a failing one is reported."""
+"""The end-to-end CPU benchmark's harness: engines take turns (prefills in a rotating order, decode steps in interleaved
+slices), and a failing one is reported."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from benchmarks import cpu_generate
 from benchmarks.host import cpu_description
 
 
-def engine(name: str, calls: list[str], fail_on: int | None = None):
-    """A fake peer whose prefill and decode steps log `name` (its prefill fails on call number `fail_on`)."""
+def engine(name: str, calls: list[str], fail_on: int | None = None, steps: list[str] | None = None):
+    """A fake peer whose prefills log `name` (the one numbered `fail_on` fails) and whose decode steps log it in
+    `steps`."""
     @contextmanager
     def peer(source, args, prompt, threads):
         def prefill():
@@ -20,18 +22,22 @@ def engine(name: str, calls: list[str], fail_on: int | None = None):
                 raise RuntimeError(f"{name} broke")
             return 0
 
-        yield f"{name} engine", prefill, lambda state: state
+        def decode(state):
+            (steps if steps is not None else []).append(name)
+            return state
+
+        yield f"{name} engine", prefill, decode
     return peer
 
 
-def test_engines_alternate_round_by_round_and_a_failure_stops_only_its_engine(monkeypatch):
+def test_engines_take_turns_in_a_rotating_order_and_a_failure_stops_only_its_engine(monkeypatch):
     monkeypatch.setattr(cpu_generate, "PAUSE_S", 0)
     calls: list[str] = []
     with ExitStack() as stack:
         opened = [cpu_generate.open_engine(stack, engine(name, calls, fail), "source", None, [1, 2], 1, name)
                   for name, fail in (("a", None), ("b", 2), ("c", None))]
         rows = cpu_generate.run_rounds(opened, tokens=4, rounds=3)
-    assert calls == ["a", "b", "c", "a", "b", "c", "a", "c"]  # alternating; b is not run after it failed
+    assert calls == ["a", "b", "c", "b", "c", "a", "a", "c"]  # each round starts one engine later; b stops at its failure
     assert [r["engine"] for r in rows] == ["a engine", "b engine", "c engine"]
     assert rows[1] == {"engine": "b engine", "error": "RuntimeError: b broke"}
     assert rows[0]["prefill_tokens_per_s"] > 0 and rows[2]["decode_tokens_per_s"] > 0
@@ -66,7 +72,19 @@ def test_every_engine_gets_every_round(monkeypatch, rounds):
     with ExitStack() as stack:
         opened = [cpu_generate.open_engine(stack, engine(n, calls), "s", None, [1], 1, n) for n in "xy"]
         cpu_generate.run_rounds(opened, tokens=2, rounds=rounds)
-    assert calls == ["x", "y"] * rounds
+    assert calls == ["x", "y", "y", "x", "x", "y"][:2 * rounds]
+
+
+def test_decode_steps_interleave_in_slices_across_engines(monkeypatch):
+    """A round's decode steps are not one engine's run after another's: each engine decodes a slice in turn."""
+    monkeypatch.setattr(cpu_generate, "PAUSE_S", 0)
+    monkeypatch.setattr(cpu_generate, "DECODE_SLICES", 3)
+    steps: list[str] = []
+    with ExitStack() as stack:
+        opened = [cpu_generate.open_engine(stack, engine(n, [], steps=steps), "s", None, [1], 1, n) for n in "xy"]
+        rows = cpu_generate.run_rounds(opened, tokens=7, rounds=1)
+    assert steps == ["x", "x", "y", "y"] * 3  # 6 decode steps each, in 3 slices of 2, taken in turn
+    assert all(r["decode_tokens_per_s"] > 0 for r in rows)
 
 
 def test_the_kernel_profiler_times_every_kernel_of_a_packed_model(tmp_path, monkeypatch, capsys):
