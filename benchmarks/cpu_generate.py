@@ -4,14 +4,13 @@
     python -m benchmarks.cpu_generate --shape all --dtype all --work DIR        # every shape in bf16 and f32
     python -m benchmarks.cpu_generate --shape tinyllama-1.1b --dtype awq --work DIR   # AWQ INT4 beside Q4_0 / Q8_0
 
---shape and --dtype take a name, a comma-separated list or `all`. For each shape and dtype the run
-makes a random-weight checkpoint in Hugging Face format (benchmarks/checkpoints.py), builds it for
-llvm, measures this machine's memory read bandwidth (numpy max, one share of 1 GiB per core), opens every engine
-in this process with the same number of threads (every core it may use), and runs them in turn, --runs rounds:
-in a round each engine prefills (the order rotating from round to round), then their decode steps interleave, a
-slice of each engine's in turn (DECODE_SLICES slices), so that a shared host's drift, which can move its memory
-bandwidth by half within seconds, hits every engine alike; a short pause after each engine's turn lets its threads
-stop spinning:
+--shape and --dtype take a name, a comma-separated list or `all`. For each shape and dtype the run makes a
+random-weight checkpoint in Hugging Face format (benchmarks/checkpoints.py), builds it for llvm, opens every engine
+in this process with the same number of threads (every core it may use), and runs them in turn, --runs rounds: in
+a round each engine prefills (the order rotating from round to round), then their decode steps interleave, a slice
+of each engine's in turn (DECODE_SLICES slices), so that a shared host's drift, which can move its memory bandwidth
+by half within seconds, hits every engine alike; a short pause after each engine's turn lets its threads stop
+spinning. The decode roofline takes its turns too: an engine whose step reads a token's weight bytes from memory.
 
 - ours: the compiled artifact through CompiledModel; for bfloat16 and AWQ also one built with --matmul-precision
   bfloat16 (prefill products on AMX tiles, else AVX512-BF16 dot products, which AWQ weights do not have yet: their
@@ -30,8 +29,8 @@ Each does one prefill of the N-token prompt (token ids, no tokenizer) and N-1 si
 steps fed the greedy argmax (no EOS), --runs times; the medians are reported. A peer that is not
 installed or fails to convert or run is a table row with the reason (llama.cpp first runs one batch of each GGUF in
 a child process, so a crash of its own is such a row, not the end of the benchmark). Prints one JSON line per shape
-and dtype, then a Markdown table with the ratios us/peer and us/decode roofline (read bandwidth /
-weight bytes read per token). transformers is in the `test` extra; llama-cpp-python and the
+and dtype, then a Markdown table with the ratios us/peer and us/decode roofline (the read bandwidth of those
+turns / weight bytes read per token). transformers is in the `test` extra; llama-cpp-python and the
 converter's needs are in the `bench` extra (pip install -e .[test,bench]).
 """
 
@@ -60,21 +59,23 @@ from benchmarks.host import cpu_description
 DTYPES = ("bfloat16", "float32")
 GGUF_TYPES = {"float32": ("f32",), "bfloat16": ("bf16", "f16"), "float16": ("f16",), "awq": tuple(QUANT_TYPES)}
 AWQ_GROUP = 128
+ROOFLINE = "decode roofline: the weights of a token read from memory (numpy)"
 PAUSE_S = 0.5  # between two engines' turns: the threads of the one that ran (OpenMP) stop spinning
 DECODE_SLICES = 8  # a round's decode steps, in this many slices that the engines take in turn
 
 
-def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes/s that all cores together read from memory (the best of several passes of a SIMD max over 1 GiB)."""
-    threads = len(os.sched_getaffinity(0))
-    parts = [np.ones(int(gib * 2**30 / 4 / threads), np.float32) for _ in range(threads)]
-    best = float("inf")
+@contextmanager
+def memory_read(weight_bytes: int, args, prompt: list[int], threads: int):
+    """The decode roofline as an engine that takes its turns with the others: each of its steps reads a token's
+    weight bytes from memory (numpy max over one share per core, far larger than the caches), so its tokens/s is
+    what the host's read bandwidth allows at that moment: (label, prefill, decode)."""
+    parts = [np.ones(weight_bytes // 4 // threads, np.float32) for _ in range(threads)]
     with ThreadPoolExecutor(threads) as pool:
-        for _ in range(repeats):
-            start = time.perf_counter()
+        def read(state=None):
             list(pool.map(np.max, parts))  # np.sum is compute-bound here (about half the rate)
-            best = min(best, time.perf_counter() - start)
-    return sum(p.nbytes for p in parts) / best
+            return state
+
+        yield ROOFLINE, read, read
 
 
 def one_run(prefill_fn, decode_fn, tokens: int) -> tuple[float, float]:
@@ -229,8 +230,11 @@ def _turn(engine: dict, action, count: int) -> None:
 
 
 def _prefill(engine: dict, tokens: int) -> None:
-    """The round's prefill: a fresh state (the last round's cache goes with the old one), its seconds recorded."""
+    """The round's prefill: a fresh state (the last round's cache goes with the old one), its seconds recorded,
+    after one untimed prefill that wakes the engine's threads from the pause (on a shared host, a single call
+    right after an idle pause took 1.3x as long, and varied twice as much, as the same call repeated)."""
     engine.pop("state", None)
+    engine["steps"][0]()  # its state is dropped at once, so its cache is free again
     start = time.perf_counter()
     engine["state"] = engine["steps"][0]()
     engine["prefill_s"], engine["decode_s"] = time.perf_counter() - start, 0.0
@@ -302,23 +306,23 @@ def benchmark(shape: str, dtype: str, args) -> dict:
     threads = len(os.sched_getaffinity(0))
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, SHAPES[shape]["vocab_size"], args.tokens)]
     load = os.getloadavg()[0]  # other work on the machine skews every column; recorded, not corrected for
-    bandwidth = read_bandwidth()
     weight_bytes = weight_bytes_per_token(ours_dir)
     peers = [(ours, ours_dir, "ours")]
     peers += [(ours_bf16, ours_dir, "ours (bf16 prefill products)")] if dtype in ("bfloat16", "awq") else []
     peers += [(transformers_peer, model_dir, "transformers")]
     peers += [(llama_cpp_peer, gguf_or_error(model_dir, outtype, args, threads), f"llama.cpp (GGUF {outtype.upper()})")
               for outtype in GGUF_TYPES[dtype]]
+    peers += [(memory_read, weight_bytes, ROOFLINE)]
     with ExitStack() as stack:
         engines = run_rounds([open_engine(stack, peer, source, args, prompt, threads, fallback)
                               for peer, source, fallback in peers], args.tokens, args.runs)
     gc.collect()
+    roofline = engines.pop().get("decode_tokens_per_s", float("nan"))
     what = f"AWQ INT4 g{AWQ_GROUP}" if dtype == "awq" else dtype
     return {"model": f"{shape} {what} (random weights)", "cpu": cpu_description(), "threads": threads,
             "tokens": args.tokens, "runs": args.runs,
-            "load_average_1m": round(load, 2), "read_bandwidth_gb_s": round(bandwidth / 1e9, 1),
-            "weight_bytes_per_token": weight_bytes,
-            "decode_roofline_tokens_per_s": round(bandwidth / weight_bytes, 2), "engines": engines}
+            "load_average_1m": round(load, 2), "read_bandwidth_gb_s": round(roofline * weight_bytes / 1e9, 1),
+            "weight_bytes_per_token": weight_bytes, "decode_roofline_tokens_per_s": roofline, "engines": engines}
 
 
 def ratio(a: dict, b: dict, key: str) -> str:

@@ -35,9 +35,10 @@ def test_engines_take_turns_in_a_rotating_order_and_a_failure_stops_only_its_eng
     calls: list[str] = []
     with ExitStack() as stack:
         opened = [cpu_generate.open_engine(stack, engine(name, calls, fail), "source", None, [1, 2], 1, name)
-                  for name, fail in (("a", None), ("b", 2), ("c", None))]
+                  for name, fail in (("a", None), ("b", 3), ("c", None))]
         rows = cpu_generate.run_rounds(opened, tokens=4, rounds=3)
-    assert calls == ["a", "b", "c", "b", "c", "a", "a", "c"]  # each round starts one engine later; b stops at its failure
+    # a turn: an untimed prefill, then the timed one; each round starts one engine later; b stops at its failure
+    assert calls == ["a", "a", "b", "b", "c", "c", "b", "c", "c", "a", "a", "a", "a", "c", "c"]
     assert [r["engine"] for r in rows] == ["a engine", "b engine", "c engine"]
     assert rows[1] == {"engine": "b engine", "error": "RuntimeError: b broke"}
     assert rows[0]["prefill_tokens_per_s"] > 0 and rows[2]["decode_tokens_per_s"] > 0
@@ -72,7 +73,7 @@ def test_every_engine_gets_every_round(monkeypatch, rounds):
     with ExitStack() as stack:
         opened = [cpu_generate.open_engine(stack, engine(n, calls), "s", None, [1], 1, n) for n in "xy"]
         cpu_generate.run_rounds(opened, tokens=2, rounds=rounds)
-    assert calls == ["x", "y", "y", "x", "x", "y"][:2 * rounds]
+    assert calls == ["x", "x", "y", "y", "y", "y", "x", "x", "x", "x", "y", "y"][:4 * rounds]
 
 
 def test_decode_steps_interleave_in_slices_across_engines(monkeypatch):
@@ -97,3 +98,17 @@ def test_the_kernel_profiler_times_every_kernel_of_a_packed_model(tmp_path, monk
     profile_kernels.main()
     table = capsys.readouterr().out
     assert "awq_int4_pairs(g32)" in table and "total (step, 1 token(s)" in table
+
+
+def test_the_decode_roofline_is_an_engine_that_takes_turns_with_the_others(monkeypatch):
+    """The roofline is measured in the same rounds and slices as the engines, not once before them."""
+    monkeypatch.setattr(cpu_generate, "PAUSE_S", 0)
+    reads: list[int] = []
+    monkeypatch.setattr(cpu_generate.np, "max", lambda part: reads.append(part.nbytes))
+    with ExitStack() as stack:
+        opened = [cpu_generate.open_engine(stack, engine("x", []), "s", None, [1], 1, "x"),
+                  cpu_generate.open_engine(stack, cpu_generate.memory_read, 8 << 20, None, [1], 2, "roofline")]
+        rows = cpu_generate.run_rounds(opened, tokens=5, rounds=2)
+    assert rows[1]["engine"] == cpu_generate.ROOFLINE and rows[1]["decode_tokens_per_s"] > 0
+    # per step, each of 2 threads reads its half of 8 MiB; a round: 2 prefills (one untimed) and 4 decode steps
+    assert reads == [4 << 20] * 2 * 6 * 2
