@@ -133,7 +133,8 @@ def dpbf16_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.PrimFunc
                         dots(acc1, xw, ww, tv, col(task, ct, 1), kb * block + d)
                     finish(acc0, part, tv, ct, 0)
                     finish(acc1, part, tv, ct, 1)
-                for r, c in T.grid(m, task_cols):
-                    y[r, task * task_cols + c] = part[c, r]
+                for r in range(m):
+                    for c in T.vectorized(task_cols):
+                        y[r, task * task_cols + c] = part[c, r]
 
     return linear_func(func, products)
