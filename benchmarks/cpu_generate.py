@@ -230,10 +230,9 @@ def _turn(engine: dict, action, count: int) -> None:
 
 
 def _prefill(engine: dict, tokens: int) -> None:
-    """The round's prefill: a fresh state (the last round's cache goes with the old one), its seconds recorded,
-    after one untimed prefill that wakes the engine's threads from the pause (on a shared host, a single call
-    right after an idle pause took 1.3x as long, and varied twice as much, as the same call repeated)."""
-    engine.pop("state", None)
+    """The round's prefill (`run_rounds` dropped the last round's state, and its cache with it), its seconds
+    recorded, after one untimed prefill that wakes the engine's threads from the pause (on a shared host, a single
+    call right after an idle pause took 1.3x as long, and varied twice as much, as the same call repeated)."""
     engine["steps"][0]()  # its state is dropped at once, so its cache is free again
     start = time.perf_counter()
     engine["state"] = engine["steps"][0]()

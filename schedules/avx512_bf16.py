@@ -81,19 +81,19 @@ def dpbf16_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.PrimFunc
         """The first token row of token tile tv."""
         return tv * vecs * LANES
 
-    def col(task, ct, h):
-        """The first weight row of half h of a task's register tile ct."""
-        return task * task_cols + ct * cols + h * half
-
     def local(ct, h):
         """The first column, within its task, of half h of register tile ct."""
         return ct * cols + h * half
+
+    def col(task, ct, h):
+        """The first weight row of half h of a task's register tile ct."""
+        return task * task_cols + local(ct, h)
 
     @T.macro
     def start(acc, part, first, kb, task, tv, ct, h):
         for c, v in T.grid(half, vecs):
             for lane in T.vectorized(LANES):
-                acc[c, v, lane] = T.if_then_else(kb == 0, first(task * task_cols + local(ct, h) + c),
+                acc[c, v, lane] = T.if_then_else(kb == 0, first(col(task, ct, h) + c),
                                                  part[local(ct, h) + c, row(tv) + v * LANES + lane])
 
     @T.macro
