@@ -15,6 +15,7 @@ from tvm import te, tirx
 from tvm.script import tirx as T
 
 from ir import TensorType
+from ir.ops import delta_chunk
 from ir.packing import AWQ_PACK, PAIR_SLOTS, Packing, awq_slot, pair_index, pair_scale, pair_value
 from schedules import stages
 
@@ -360,8 +361,8 @@ def batch_gated_delta_rule(types, attrs) -> Kernel:
     slots, seqs = types[3].shape[0], types[4].shape[0]
     hk, hv, dk, dv = (attrs[k] for k in ("num_k_heads", "num_v_heads", "k_dim", "v_dim"))
     lanes = math.gcd(attrs["scan_lanes"], dk, dv)
-    chunk = math.gcd(rows, attrs["chunk"])
-    if seqs == 1 and chunk > 1:
+    chunk = delta_chunk(rows, seqs, attrs["chunk"])
+    if chunk:
         return Kernel(_delta_chunked(rows, hk, hv, dk, dv, width, slots, chunk, lanes))
     scan = _column_scan(hk, hv, dk, dv, lanes)
 

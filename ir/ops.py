@@ -12,6 +12,7 @@ give their per-token output as a fresh tensor.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -107,6 +108,14 @@ def _delta_inputs(ins, attrs):
     _weight(dt_bias, (hv,), "delta_inputs dt_bias")
     _count(n, "delta_inputs n")
     return [TensorType((rows, 2 * hk * dk), "float32"), TensorType((rows, hv, 2), "float32")]
+
+
+def delta_chunk(rows: int, seqs: int, chunk: int) -> int:
+    """Tokens per chunk of the gated delta rule's chunked form for a step of `rows` token rows and `seqs` sequences
+    (its `chunk` attribute C): gcd(C, rows) for a step of one sequence, or 0 where the step runs the token-by-token
+    recurrence (several sequences, or no common factor above 1)."""
+    size = math.gcd(rows, chunk)
+    return size if seqs == 1 and size > 1 else 0
 
 
 def _delta_rule_types(qk: TensorType, qkv: TensorType, gates: TensorType, state: tuple, attrs: dict) -> TensorType:

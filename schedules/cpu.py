@@ -19,6 +19,7 @@ from .amx import amx_awq_gemm, amx_gemm
 from .avx512_bf16 import dpbf16_gemm
 from .cpu_attention import paged_attention
 from .cpu_awq import awq_linear
+from .cpu_delta import delta_chunked
 from .loops import split_loops, static_extent
 from .vector_math import vector_math
 from .written import CACHE_LINE, linear_func, packed_weight, paired_weight, prefetch
@@ -405,9 +406,9 @@ SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "layer
 BF16_GEMMS = {"amx": amx_gemm, "avx512bf16": dpbf16_gemm}
 
 
-def _written(func: tirx.PrimFunc, kind: str, lanes: int, bf16_products: str | None, attrs: dict | None,
-             vnni: bool = False) -> tirx.PrimFunc | None:
-    """A hand-written kernel for this op and shape, or None when schedule primitives handle it."""
+def _written(func: tirx.PrimFunc, kind: str, target, attrs: dict | None) -> tirx.PrimFunc | None:
+    """A hand-written kernel for this op and shape on `target`, or None when schedule primitives handle it."""
+    lanes, bf16_products, vnni = target.lanes, target.bf16_products, "avx512vnni" in target.features
     if kind == "linear" and packed_weight(func):
         rows = int(func.params[0].shape[0])
         few = rows <= GEMV_MAX_ROWS or rows % lanes  # else the GEMM, on a tile unpacked at a time
@@ -422,6 +423,8 @@ def _written(func: tirx.PrimFunc, kind: str, lanes: int, bf16_products: str | No
         return gemm if gemm is not None else _rows_gemv(func, lanes)
     if kind == "paged_attention" and attrs is not None:
         return paged_attention(func, attrs, lanes)
+    if kind == "batch_gated_delta_rule" and attrs is not None:
+        return delta_chunked(func, attrs, lanes, target.scan_lanes)
     return None
 
 
@@ -430,7 +433,7 @@ def schedule(func: tirx.PrimFunc, kind: str, attrs: dict, target) -> tirx.PrimFu
     float32 SIMD `lanes`, and where prefill products of bfloat16 weights run in bfloat16: `bf16_products`); exp and
     sigmoid as vectorisable arithmetic."""
     lanes = target.lanes
-    written = _written(func, kind, lanes, target.bf16_products, attrs, "avx512vnni" in target.features)
+    written = _written(func, kind, target, attrs)
     if written is None:
         sch = s_tir.Schedule(func)
         SCHEDULES.get(kind, _generic)(sch, lanes)

@@ -16,6 +16,7 @@ from compiler.target import cpu_target
 from ir import OPS, TensorType, infer_types
 from schedules import cpu
 from schedules.cpu_attention import paged_attention
+from schedules.cpu_delta import delta_chunked
 
 TARGET = cpu_target()
 RNG = np.random.default_rng(0)
@@ -250,6 +251,37 @@ def test_one_sequence_delta_rule_chunked_or_recurrent_matches_the_recurrence(chu
                                                      k_dim=dk, v_dim=dv)
     close(out[:n], want_out[:n], tol=1e-4)
     close(new_pool, want_pool, tol=1e-4)
+
+
+@pytest.mark.parametrize("lanes_target", ["native", "x86-64-v3"])
+@pytest.mark.parametrize("rows,n,chunk,hk,hv,dk,dv,pos", [
+    (64, 64, 16, 2, 2, 32, 64, 5),  # four chunks, state from the slot
+    (48, 37, 16, 1, 3, 16, 48, 0),  # GQA (three v heads read one k head), padding rows, a fresh sequence
+    (32, 32, 64, 2, 4, 64, 32, 9),  # a chunk of gcd(rows, 64) = 32 rows
+    (12, 10, 16, 2, 2, 16, 16, 3),  # chunks of gcd(12, 16) = 4 rows
+    (6, 6, 16, 1, 1, 32, 16, 1),  # chunks of 2 rows
+])
+def test_written_chunked_delta_rule_matches_the_recurrence(lanes_target, rows, n, chunk, hk, hv, dk, dv, pos):
+    """The hand-written chunked delta rule (register tiles: two token rows of W S and q S, state rows of the update)
+    replaces the definition for one sequence's prefill chunk, and its output and final state equal the token-by-token
+    recurrence's, for AVX-512 and AVX2 vector widths."""
+    qkv, a, b, a_log, dt_bias, state = _delta_case(rows, n, hk, hv, dk, dv, seed=rows + dk)
+    qk, gates = ref.delta_inputs(qkv, a, b, a_log, dt_bias, n, hk, dk)
+    pool = np.stack([state * 2, state, state - 1])
+    seqs = [np.array([v], dtype=np.int32) for v in (0, n, pos, 2)]
+    attrs = {"num_k_heads": hk, "num_v_heads": hv, "k_dim": dk, "v_dim": dv, "chunk": chunk}
+    inputs = [qk, qkv, gates, pool, *seqs]
+    target = TARGET if lanes_target == "native" else cpu_target(lanes_target)
+    kernel = make_kernel("batch_gated_delta_rule", [TensorType(x.shape, str(x.dtype)) for x in inputs], attrs,
+                         target.scan_lanes)
+    assert delta_chunked(kernel.func, attrs, target.lanes, target.scan_lanes) is not None
+    lib = tvm.compile(cpu.schedule(kernel.func, "batch_gated_delta_rule", attrs, target), target.tvm_target())
+    args = [tvm.runtime.tensor(x) for x in inputs] + [tvm.runtime.empty((rows, hv * dv), "float32", tvm.cpu())]
+    lib["main"](*args)
+    want_out, want_pool = ref.batch_gated_delta_rule(qk, qkv, gates, pool, *seqs, num_k_heads=hk, num_v_heads=hv,
+                                                     k_dim=dk, v_dim=dv)
+    close(args[-1].numpy()[:n], want_out[:n], tol=1e-4)
+    close(args[3].numpy(), want_pool, tol=1e-4)
 
 
 # Three sequences of a batch over 9 token rows (the last one padding): a decode token of a sequence at
