@@ -19,6 +19,7 @@ from .amx import amx_awq_gemm, amx_gemm
 from .avx512_bf16 import dpbf16_gemm
 from .cpu_attention import paged_attention
 from .cpu_awq import awq_linear
+from .cpu_conv import causal_conv
 from .cpu_delta import delta_chunked
 from .loops import split_loops, static_extent
 from .vector_math import vector_math
@@ -425,6 +426,8 @@ def _written(func: tirx.PrimFunc, kind: str, target, attrs: dict | None) -> tirx
         return paged_attention(func, attrs, lanes)
     if kind == "batch_gated_delta_rule" and attrs is not None:
         return delta_chunked(func, attrs, lanes, target.scan_lanes)
+    if kind == "batch_causal_conv1d":
+        return causal_conv(func, lanes)
     return None
 
 

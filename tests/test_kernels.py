@@ -16,6 +16,7 @@ from compiler.target import cpu_target
 from ir import OPS, TensorType, infer_types
 from schedules import cpu
 from schedules.cpu_attention import paged_attention
+from schedules.cpu_conv import causal_conv
 from schedules.cpu_delta import delta_chunked
 
 TARGET = cpu_target()
@@ -297,6 +298,27 @@ def test_batch_causal_conv1d_runs_each_sequence_from_its_slot(channels):
     want_y, want_pool = ref.batch_causal_conv1d(x, pool, w, *SEQS)
     close(y[:8], want_y[:8], tol=1e-4)
     close(new_pool, want_pool)
+
+
+@pytest.mark.parametrize("lanes_target", ["native", "x86-64-v3"])
+@pytest.mark.parametrize("channels,keep", [(48, 3), (96, 3), (64, 5)])  # blocks of one and two vectors
+def test_written_causal_conv1d_holds_its_window_in_registers(lanes_target, channels, keep):
+    """The hand-written conv (weights and window in register tiles) replaces the definition when the channels are
+    whole SIMD vectors, and equals the reference for every sequence of the batch above."""
+    target = TARGET if lanes_target == "native" else cpu_target(lanes_target)
+    if channels % target.lanes:
+        pytest.skip(f"{channels} channels are not whole vectors of {target.lanes} lanes")
+    x, pool, w = rand(9, channels), rand(4, keep, channels), rand(channels, 1, keep + 1, dtype="bfloat16")
+    inputs = [x, pool, w, *SEQS]
+    kernel = make_kernel("batch_causal_conv1d", [TensorType(a.shape, str(a.dtype)) for a in inputs], {},
+                         target.scan_lanes)
+    assert causal_conv(kernel.func, target.lanes) is not None
+    lib = tvm.compile(cpu.schedule(kernel.func, "batch_causal_conv1d", {}, target), target.tvm_target())
+    args = [tvm.runtime.tensor(a) for a in inputs] + [tvm.runtime.empty(x.shape, "float32", tvm.cpu())]
+    lib["main"](*args)
+    want_y, want_pool = ref.batch_causal_conv1d(x, pool, w, *SEQS)
+    close(args[-1].numpy()[:8], want_y[:8], tol=1e-4)
+    close(args[1].numpy(), want_pool)
 
 
 @pytest.mark.parametrize("dk,dv", [(16, 16), (64, 128)])  # the latter: value columns in several tasks of scan_lanes
