@@ -78,22 +78,6 @@ def memory_read(weight_bytes: int, args, prompt: list[int], threads: int):
         yield ROOFLINE, read, read
 
 
-def one_run(prefill_fn, decode_fn, tokens: int) -> tuple[float, float]:
-    """(prefill tokens/s, decode tokens/s) of one prefill then tokens-1 decode steps."""
-    start = time.perf_counter()
-    state = prefill_fn()
-    prefill = tokens / (time.perf_counter() - start)
-    start = time.perf_counter()
-    for _ in range(tokens - 1):
-        state = decode_fn(state)
-    return prefill, (tokens - 1) / (time.perf_counter() - start)
-
-
-def timed_generation(prefill_fn, decode_fn, tokens: int, runs: int) -> tuple[float, float]:
-    """Median (prefill tokens/s, decode tokens/s) of `runs` runs of prefill then tokens-1 decode steps."""
-    return medians([one_run(prefill_fn, decode_fn, tokens) for _ in range(runs)])  # each run's cache goes with it
-
-
 def medians(runs: list[tuple[float, float]]) -> tuple[float, float]:
     """The median prefill and the median decode tokens/s of several runs."""
     return statistics.median(p for p, _ in runs), statistics.median(d for _, d in runs)
@@ -123,7 +107,7 @@ def ours_bf16(model_dir: Path, args, prompt: list[int], threads: int):
 
 
 def runtime_steps(model, prompt: list[int]):
-    """(prefill, decode) for `timed_generation` on a CompiledModel: a fresh cache of twice the prompt, greedy steps."""
+    """An engine's (prefill, decode) on a CompiledModel: a fresh cache of twice the prompt, greedy steps."""
 
     def prefill():
         cache = model.new_cache(2 * len(prompt))

@@ -8,6 +8,7 @@ from contextlib import ExitStack, contextmanager
 import pytest
 
 from benchmarks import cpu_generate
+from benchmarks.compare_artifacts import same_round_ratios
 from benchmarks.host import cpu_description
 
 
@@ -112,3 +113,11 @@ def test_the_decode_roofline_is_an_engine_that_takes_turns_with_the_others(monke
     assert rows[1]["engine"] == cpu_generate.ROOFLINE and rows[1]["decode_tokens_per_s"] > 0
     # per step, each of 2 threads reads its half of 8 MiB; a round: 2 prefills (one untimed) and 4 decode steps
     assert reads == [4 << 20] * 2 * 6 * 2
+
+
+def test_artifact_comparison_ratios_pair_each_round_with_the_first_artifacts_same_round():
+    """A ratio to the first artifact is taken within each round (the host's speed drifts between rounds), then the
+    median over rounds: here the second engine is twice as fast in every round although the rounds differ 4x."""
+    first = {"runs": [(100.0, 10.0), (400.0, 40.0), (200.0, 20.0)]}
+    second = {"runs": [(200.0, 15.0), (800.0, 60.0), (400.0, 30.0)]}
+    assert same_round_ratios([first, second]) == [(1.0, 1.0), (2.0, 1.5)]
