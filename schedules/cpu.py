@@ -20,7 +20,7 @@ from .avx512_bf16 import dpbf16_gemm
 from .cpu_attention import paged_attention
 from .cpu_awq import awq_linear
 from .cpu_conv import causal_conv
-from .cpu_delta import delta_chunked
+from .cpu_delta import delta_rule
 from .loops import split_loops, static_extent
 from .vector_math import vector_math
 from .written import CACHE_LINE, linear_func, packed_weight, paired_weight, prefetch
@@ -425,7 +425,7 @@ def _written(func: tirx.PrimFunc, kind: str, target, attrs: dict | None) -> tirx
     if kind == "paged_attention" and attrs is not None:
         return paged_attention(func, attrs, lanes)
     if kind == "batch_gated_delta_rule" and attrs is not None:
-        return delta_chunked(func, attrs, lanes, target.scan_lanes)
+        return delta_rule(func, attrs, lanes, target.scan_lanes)
     if kind == "batch_causal_conv1d":
         return causal_conv(func, lanes)
     return None
@@ -441,4 +441,4 @@ def schedule(func: tirx.PrimFunc, kind: str, attrs: dict, target) -> tirx.PrimFu
         sch = s_tir.Schedule(func)
         SCHEDULES.get(kind, _generic)(sch, lanes)
         written = sch.mod["main"]
-    return vector_math(written)
+    return vector_math(written.with_attr("tirx.noalias", True))  # as the definitions: no two buffers overlap

@@ -1,20 +1,25 @@
-"""The chunked gated delta rule on a CPU (a prefill chunk of one sequence) as register-blocked products.
+"""Qwen3.5's gated delta rule on a CPU, in both its forms, as register-blocked loops.
 
-The compute definition (`compiler.kernels.batch_gated_delta_rule`, chunked form) fixes the arithmetic: per chunk of
-C tokens and value head h, the log decays from the chunk's start, the in-chunk dot products k_t . k_s and q_t . k_s,
-the matrices A (strictly lower, beta and decay applied) and attn (lower), a forward substitution giving
-W = (I + A)^-1 (beta k exp(decay)) and U = (I + A)^-1 (beta v), then the state pass: fresh = U - W S,
-out = exp(decay) (q S) + attn fresh, S = S exp(decay at the chunk's end) + (k exp(decay at end - decay))^T fresh.
+The compute definition (`compiler.kernels.batch_gated_delta_rule`) fixes the arithmetic. Its chunked form (a step
+of one sequence: a prefill chunk of one request) works per chunk of C tokens and value head h: the log decays from
+the chunk's start, the in-chunk dot products k_t . k_s and q_t . k_s, the matrices A (strictly lower, beta and decay
+applied) and attn (lower), a forward substitution giving W = (I + A)^-1 (beta k exp(decay)) and
+U = (I + A)^-1 (beta v), then the state pass: fresh = U - W S, out = exp(decay) (q S) + attn fresh,
+S = S exp(decay at the chunk's end) + (k exp(decay at end - decay))^T fresh. Its recurrent form (any other step:
+decodes, and prompt chunks mixed with them in a batch) runs token by token.
 
-This kernel computes the same in two parallel passes:
+The chunked kernel computes the same in two parallel passes:
 - per (head, chunk): the decays, the decayed keys, the dot products from a transposed copy of the chunk's keys (a
   tile of rows against every key in SIMD lanes; the definition's schedule read each key element as a scalar
   gather), A, attn and the substitution, a row's columns held in registers;
 - per (head, block of value columns): the state pass, as register tiles: two token rows of W S and of q S over
   the block's columns (each state row loaded once for both sums of both rows), then the update a few state rows
   at a time over the chunk's tokens. The block of the state stays in L1 from chunk to chunk.
-Qwen3.5-0.8B shape (16 heads of 128 x 128), 128 rows, alternating in one process (Intel Xeon, AVX-512): 5.4 ->
-1.6 ms; 16 heads read by 32 (GQA): 9.7 -> 3.9 ms.
+The recurrent kernel gives each (head, block of value columns, sequence) a task, ordered so that one long
+sequence's tasks spread over the cores, and makes two passes over the block per token (see `_recurrent`).
+Qwen3.5-0.8B shape (16 heads of 128 x 128), alternating in one process (Intel Xeon, AVX-512): one sequence of 128
+rows 5.4 -> 1.6 ms, 32 v heads over 16 k heads 9.7 -> 3.9 ms; a 120-token prompt chunk beside 8 decode rows 6.0 ->
+2.6 ms; decode rows unchanged (the state's bytes bound them).
 """
 
 from __future__ import annotations
@@ -40,17 +45,21 @@ def _rows_per_tile(rows: int, vecs: int, lanes: int, most: int, sums: int = 1) -
                and t * vecs * lanes * 4 < TILE_BYTES)
 
 
-def delta_chunked(func: tirx.PrimFunc, attrs: dict, lanes: int, scan_lanes: int) -> tirx.PrimFunc | None:
-    """The chunked delta rule's kernel for the signature of `func` (the definition), or None when the definition
-    is the token-by-token recurrence, or the head dimensions are not whole SIMD vectors."""
+def delta_rule(func: tirx.PrimFunc, attrs: dict, lanes: int, scan_lanes: int) -> tirx.PrimFunc | None:
+    """The delta rule's kernel for the signature of `func` (the definition): its chunked form for a step of one
+    sequence where the definition has one, else the token-by-token recurrence; None when the head dimensions are not
+    whole SIMD vectors."""
     qk_buf, qkv_buf, _, pool_buf, seq_buf = func.params[:5]
     rows, width = (int(d) for d in qkv_buf.shape)
     slots, seqs = int(pool_buf.shape[0]), int(seq_buf.shape[0])
     hk, hv, dk, dv = (attrs[k] for k in ("num_k_heads", "num_v_heads", "k_dim", "v_dim"))
-    chunk = delta_chunk(rows, seqs, attrs["chunk"])
-    if chunk == 0 or dk % lanes or dv % lanes:
+    if dk % lanes or dv % lanes:
         return None
-    shape = _Shape(rows, chunk, hk, hv, dk, dv, lanes, next(c for c in (scan_lanes, lanes) if dv % c == 0))
+    chunk = delta_chunk(rows, seqs, attrs["chunk"])
+    cols = next(c for c in (scan_lanes, lanes) if dv % c == 0)  # value columns of a state-pass task
+    if chunk == 0:
+        return _recurrent(rows, width, slots, seqs, _Shape(rows, 1, hk, hv, dk, dv, lanes, cols))
+    shape = _Shape(rows, chunk, hk, hv, dk, dv, lanes, cols)
     prep, state_pass = _prep_macro(shape), _state_macro(shape)
     chunks, groups = rows // chunk, dv // shape.cols
 
@@ -226,3 +235,75 @@ def _state_macro(shape: _Shape):
                 pool[seq_slot[0], h, i, j0 + v * lanes + lane] = state[i, v * lanes + lane]
 
     return state_pass
+
+
+def _recurrent(rows, width, slots, seqs, shape: _Shape) -> tirx.PrimFunc:
+    """The recurrence token by token: a task is one sequence's block of value columns of one head, over its tokens.
+    Per token two passes over the block of the state: S^T k (the decay applied after the sum), then S = S exp(g) +
+    k delta^T written back while S^T q is summed; each pass's sums in two sets of registers (rows alternating), so
+    no chain of FMAs waits on one set's latency."""
+    hk, hv, dk, dv, lanes, vecs, cols = shape.hv // shape.ratio, shape.hv, shape.dk, shape.dv, shape.lanes, shape.vecs, \
+        shape.cols
+    ratio, key, value, groups = shape.ratio, shape.key, shape.value, dv // cols
+
+    @T.prim_func(check_well_formed=False)
+    def delta_rule(qk: T.Buffer((rows, 2 * hk * dk), "float32"), qkv: T.Buffer((rows, width), "float32"),
+                   gates: T.Buffer((rows, hv, 2), "float32"), pool: T.Buffer((slots, hv, dk, dv), "float32"),
+                   seq_start: T.Buffer((seqs,), "int32"), seq_len: T.Buffer((seqs,), "int32"),
+                   seq_pos: T.Buffer((seqs,), "int32"), seq_slot: T.Buffer((seqs,), "int32"),
+                   out: T.Buffer((rows, hv * dv), "float32")):
+        for task in T.parallel(hv * groups * seqs):  # (head, block of value columns, sequence): a long sequence's tasks
+            # spread over the cores
+            state = T.alloc_buffer((dk, cols), "float32")
+            sums = T.alloc_buffer((2, vecs, lanes), "float32")  # register tiles: in unrolled loops
+            delta = T.alloc_buffer((vecs, lanes), "float32")
+            if seq_len[task % seqs] > 0:
+                for i, v in T.grid(dk, vecs):
+                    for lane in T.vectorized(lanes):
+                        state[i, v * lanes + lane] = T.if_then_else(
+                            seq_pos[task % seqs] > 0, pool[T.max(seq_slot[task % seqs], 0),
+                                                                     task // (groups * seqs), i,
+                                                                     task // seqs % groups * cols + v * lanes + lane],
+                            T.float32(0))
+                for t in range(seq_len[task % seqs]):
+                    for p in T.unroll(2):
+                        for v in T.unroll(vecs):
+                            for lane in T.vectorized(lanes):
+                                sums[p, v, lane] = T.float32(0)
+                    for i0 in range(dk // 2):  # S^T k
+                        for p in T.unroll(2):
+                            for v in T.unroll(vecs):
+                                for lane in T.vectorized(lanes):
+                                    sums[p, v, lane] = sums[p, v, lane] + state[i0 * 2 + p, v * lanes + lane] * qk[
+                                        seq_start[task % seqs] + t, key + task // (groups * seqs) // ratio * dk
+                                        + i0 * 2 + p]
+                    for v in T.unroll(vecs):
+                        for lane in T.vectorized(lanes):  # beta (v - exp(g) S^T k)
+                            delta[v, lane] = gates[seq_start[task % seqs] + t, task // (groups * seqs), 1] * (
+                                qkv[seq_start[task % seqs] + t, value + task // (groups * seqs) * dv
+                                    + task // seqs % groups * cols + v * lanes + lane]
+                                - T.exp(gates[seq_start[task % seqs] + t, task // (groups * seqs), 0])
+                                * (sums[0, v, lane] + sums[1, v, lane]))
+                            sums[0, v, lane] = T.float32(0)
+                            sums[1, v, lane] = T.float32(0)
+                    for i0 in range(dk // 2):  # S = S exp(g) + k delta^T, and S^T q
+                        for p in T.unroll(2):
+                            for v in T.unroll(vecs):
+                                for lane in T.vectorized(lanes):
+                                    state[i0 * 2 + p, v * lanes + lane] = state[i0 * 2 + p, v * lanes + lane] * T.exp(
+                                        gates[seq_start[task % seqs] + t, task // (groups * seqs), 0]) + qk[
+                                        seq_start[task % seqs] + t, key + task // (groups * seqs) // ratio * dk
+                                        + i0 * 2 + p] * delta[v, lane]
+                                    sums[p, v, lane] = sums[p, v, lane] + state[i0 * 2 + p, v * lanes + lane] * qk[
+                                        seq_start[task % seqs] + t, task // (groups * seqs) // ratio * dk
+                                        + i0 * 2 + p]
+                    for v in T.unroll(vecs):
+                        for lane in T.vectorized(lanes):
+                            out[seq_start[task % seqs] + t, task // (groups * seqs) * dv + task // seqs % groups * cols
+                                + v * lanes + lane] = sums[0, v, lane] + sums[1, v, lane]
+                for i, v in T.grid(dk, vecs):
+                    for lane in T.vectorized(lanes):
+                        pool[seq_slot[task % seqs], task // (groups * seqs), i,
+                             task // seqs % groups * cols + v * lanes + lane] = state[i, v * lanes + lane]
+
+    return delta_rule

@@ -17,7 +17,7 @@ from ir import OPS, TensorType, infer_types
 from schedules import cpu
 from schedules.cpu_attention import paged_attention
 from schedules.cpu_conv import causal_conv
-from schedules.cpu_delta import delta_chunked
+from schedules.cpu_delta import delta_rule
 
 TARGET = cpu_target()
 RNG = np.random.default_rng(0)
@@ -275,7 +275,7 @@ def test_written_chunked_delta_rule_matches_the_recurrence(lanes_target, rows, n
     target = TARGET if lanes_target == "native" else cpu_target(lanes_target)
     kernel = make_kernel("batch_gated_delta_rule", [TensorType(x.shape, str(x.dtype)) for x in inputs], attrs,
                          target.scan_lanes)
-    assert delta_chunked(kernel.func, attrs, target.lanes, target.scan_lanes) is not None
+    assert delta_rule(kernel.func, attrs, target.lanes, target.scan_lanes) is not None
     lib = tvm.compile(cpu.schedule(kernel.func, "batch_gated_delta_rule", attrs, target), target.tvm_target())
     args = [tvm.runtime.tensor(x) for x in inputs] + [tvm.runtime.empty((rows, hv * dv), "float32", tvm.cpu())]
     lib["main"](*args)
@@ -319,6 +319,31 @@ def test_written_causal_conv1d_holds_its_window_in_registers(lanes_target, chann
     want_y, want_pool = ref.batch_causal_conv1d(x, pool, w, *SEQS)
     close(args[-1].numpy()[:8], want_y[:8], tol=1e-4)
     close(args[1].numpy(), want_pool)
+
+
+@pytest.mark.parametrize("lanes_target", ["native", "x86-64-v3"])
+@pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 16, 48), (1, 2, 32, 64)])
+def test_written_recurrent_delta_rule_runs_a_batch_of_sequences(lanes_target, hk, hv, dk, dv):
+    """The hand-written token-by-token delta rule (two passes over each block of the state per token, sums in
+    registers) replaces the definition for a step of several sequences (a decode token, a new 5-token prompt, a
+    continued 2-token chunk, an empty sequence), and equals the recurrence, for AVX-512 and AVX2 vector widths."""
+    target = TARGET if lanes_target == "native" else cpu_target(lanes_target)
+    qkv, a, b, a_log, dt_bias, _ = _delta_case(9, 8, hk, hv, dk, dv, seed=dk + dv)
+    qk, gates = ref.delta_inputs(qkv, a, b, a_log, dt_bias, 8, hk, dk)
+    pool = (RNG.standard_normal((4, hv, dk, dv)) * 0.5).astype(np.float32)
+    attrs = {"num_k_heads": hk, "num_v_heads": hv, "k_dim": dk, "v_dim": dv, "chunk": 16}
+    inputs = [qk, qkv, gates, pool, *SEQS]
+    kernel = make_kernel("batch_gated_delta_rule", [TensorType(x.shape, str(x.dtype)) for x in inputs], attrs,
+                         target.scan_lanes)
+    assert "delta_dots" not in kernel.func.script()  # the recurrent form of the definition
+    assert delta_rule(kernel.func, attrs, target.lanes, target.scan_lanes) is not None
+    lib = tvm.compile(cpu.schedule(kernel.func, "batch_gated_delta_rule", attrs, target), target.tvm_target())
+    args = [tvm.runtime.tensor(x) for x in inputs] + [tvm.runtime.empty((9, hv * dv), "float32", tvm.cpu())]
+    lib["main"](*args)
+    want_out, want_pool = ref.batch_gated_delta_rule(qk, qkv, gates, pool, *SEQS, num_k_heads=hk, num_v_heads=hv,
+                                                     k_dim=dk, v_dim=dv)
+    close(args[-1].numpy()[:8], want_out[:8], tol=1e-4)
+    close(args[3].numpy(), want_pool, tol=1e-4)
 
 
 @pytest.mark.parametrize("dk,dv", [(16, 16), (64, 128)])  # the latter: value columns in several tasks of scan_lanes
