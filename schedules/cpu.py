@@ -91,6 +91,29 @@ def _delta_rule(sch: s_tir.Schedule, lanes: int) -> None:
     _generic(sch, lanes, done=(stages.DELTA_DOTS,))
 
 
+def _delta_inputs(sch: s_tir.Schedule, lanes: int) -> None:
+    """The gated delta rule's inputs: per token row (across the cores), each q/k head's sum of squares as SIMD
+    partial sums added up once (the reduction was a scalar chain per head), then the row normalised in vectors; the
+    gates as `_spatial` does them. Qwen3.5-0.8B shape, 128 rows (Intel Xeon Ice Lake, alternating): 1.14 -> 0.55 ms."""
+    sums = stages.only_reduction(sch)
+    _, normed, gates = stages.blocks(sch)
+    depth = sch.get_loops(sums)[-1]
+    row, col = sch.get_loops(normed)
+    if static_extent(sch, depth) % lanes or static_extent(sch, depth) < 2 * lanes or static_extent(sch, col) % lanes:
+        _generic(sch, lanes)  # no whole vectors, or one: nothing to split
+        return
+    _parallel(sch, row, _work(sch, (row, col)))
+    partial = sch.rfactor(sch.split(depth, [None, lanes])[1], factor_axis=2)
+    sch.vectorize(sch.split(col, [None, lanes])[1])
+    sch.compute_at(sums, row)
+    sch.compute_at(partial, row)
+    lane, head, step = sch.get_loops(partial)[1:]
+    sch.reorder(head, step, lane)
+    sch.vectorize(lane)
+    sch.decompose_reduction(partial, step)
+    _spatial(sch, gates, lanes)
+
+
 def _linear(sch: s_tir.Schedule, lanes: int) -> None:
     """Matrix products: a GEMM schedule when the rows fill whole SIMD vectors (prefill), else a GEMV one."""
     block = stages.only_reduction(sch)
@@ -401,7 +424,8 @@ def _vector_dots(sch: s_tir.Schedule, scores, partial) -> None:
 
 
 SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "layer_norm": _norm,
-             "paged_attention": _attention, "padded_attention": _attention, "image_attention": _attention, "batch_gated_delta_rule": _delta_rule}
+             "paged_attention": _attention, "padded_attention": _attention, "image_attention": _attention, "batch_gated_delta_rule": _delta_rule,
+             "delta_inputs": _delta_inputs}
 
 
 BF16_GEMMS = {"amx": amx_gemm, "avx512bf16": dpbf16_gemm}

@@ -221,11 +221,12 @@ def _delta_case(rows, n, hk, hv, dk, dv, seed):
     return qkv, a, b, a_log, dt_bias, state
 
 
+@pytest.mark.parametrize("dk", [8, 32])  # 32: whole SIMD vectors, sums of squares as partial sums in lanes
 @pytest.mark.parametrize("rows,n", [(1, 1), (6, 4), (16, 16)])
-def test_delta_inputs(rows, n):
-    qkv, a, b, a_log, dt_bias, _ = _delta_case(rows, n, 2, 4, 8, 6, seed=rows)
+def test_delta_inputs(rows, n, dk):
+    qkv, a, b, a_log, dt_bias, _ = _delta_case(rows, n, 2, 4, dk, 6, seed=rows)
     a[0, 0], a[-1, -1] = 30.0, -25.0  # beyond softplus's linear threshold; exp(x) below the series threshold
-    attrs = {"num_k_heads": 2, "k_dim": 8}
+    attrs = {"num_k_heads": 2, "k_dim": dk}
     qk, gates = run_kernel("delta_inputs", [qkv, a, b, a_log, dt_bias, np.array([n], np.int32)], attrs)
     want_qk, want_gates = ref.delta_inputs(qkv, a, b, a_log, dt_bias, n, **attrs)
     close(qk, want_qk)
