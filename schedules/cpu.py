@@ -424,8 +424,8 @@ def _vector_dots(sch: s_tir.Schedule, scores, partial) -> None:
 
 
 SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "layer_norm": _norm,
-             "paged_attention": _attention, "padded_attention": _attention, "image_attention": _attention, "batch_gated_delta_rule": _delta_rule,
-             "delta_inputs": _delta_inputs}
+             "paged_attention": _attention, "padded_attention": _attention, "image_attention": _attention,
+             "batch_gated_delta_rule": _delta_rule, "delta_inputs": _delta_inputs}
 
 
 BF16_GEMMS = {"amx": amx_gemm, "avx512bf16": dpbf16_gemm}

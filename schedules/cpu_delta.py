@@ -167,7 +167,8 @@ def _prep_macro(shape: _Shape):
 
 def _state_macro(shape: _Shape):
     """The macro of one (head h, value columns j0..j0 + cols): the state pass over every chunk."""
-    chunk, chunks, dk, dv, ratio, lanes = shape.chunk, shape.rows // shape.chunk, shape.dk, shape.dv, shape.ratio, shape.lanes
+    chunk, chunks, dk, dv = shape.chunk, shape.rows // shape.chunk, shape.dk, shape.dv
+    ratio, lanes = shape.ratio, shape.lanes
     vecs, pair, quad, cols = shape.vecs, shape.pair, shape.quad, shape.cols
 
     @T.macro
@@ -197,13 +198,13 @@ def _state_macro(shape: _Shape):
                             for lane in T.vectorized(lanes):
                                 acc_f[t, v, lane] = acc_f[t, v, lane] + w[h, c * chunk + p * pair + t, i] * state[
                                     i, v * lanes + lane]
-                                acc_q[t, v, lane] = acc_q[t, v, lane] + qk[c * chunk + p * pair + t, h // ratio * dk + i] \
-                                    * state[i, v * lanes + lane]
+                                acc_q[t, v, lane] = acc_q[t, v, lane] + qk[
+                                    c * chunk + p * pair + t, h // ratio * dk + i] * state[i, v * lanes + lane]
                 for t in T.unroll(pair):
                     for v in T.unroll(vecs):
                         for lane in T.vectorized(lanes):
-                            fresh[p * pair + t, v * lanes + lane] = u[h, c * chunk + p * pair + t, j0 + v * lanes + lane] \
-                                - acc_f[t, v, lane]
+                            fresh[p * pair + t, v * lanes + lane] = u[
+                                h, c * chunk + p * pair + t, j0 + v * lanes + lane] - acc_f[t, v, lane]
                             acc_q[t, v, lane] = acc_q[t, v, lane] * gain[h, c * chunk + p * pair + t]
                 for s in range(p * pair + pair):  # attn is 0 past each row's own position
                     for t in T.unroll(pair):
@@ -242,9 +243,8 @@ def _recurrent(rows, width, slots, seqs, shape: _Shape) -> tirx.PrimFunc:
     Per token two passes over the block of the state: S^T k (the decay applied after the sum), then S = S exp(g) +
     k delta^T written back while S^T q is summed; each pass's sums in two sets of registers (rows alternating), so
     no chain of FMAs waits on one set's latency."""
-    hk, hv, dk, dv, lanes, vecs, cols = shape.hv // shape.ratio, shape.hv, shape.dk, shape.dv, shape.lanes, shape.vecs, \
-        shape.cols
-    ratio, key, value, groups = shape.ratio, shape.key, shape.value, dv // cols
+    hk, hv, dk, dv, cols = shape.hv // shape.ratio, shape.hv, shape.dk, shape.dv, shape.cols
+    recurrence, groups = _recurrence_macro(shape), dv // cols
 
     @T.prim_func(check_well_formed=False)
     def delta_rule(qk: T.Buffer((rows, 2 * hk * dk), "float32"), qkv: T.Buffer((rows, width), "float32"),
@@ -252,58 +252,62 @@ def _recurrent(rows, width, slots, seqs, shape: _Shape) -> tirx.PrimFunc:
                    seq_start: T.Buffer((seqs,), "int32"), seq_len: T.Buffer((seqs,), "int32"),
                    seq_pos: T.Buffer((seqs,), "int32"), seq_slot: T.Buffer((seqs,), "int32"),
                    out: T.Buffer((rows, hv * dv), "float32")):
-        for task in T.parallel(hv * groups * seqs):  # (head, block of value columns, sequence): a long sequence's tasks
-            # spread over the cores
-            state = T.alloc_buffer((dk, cols), "float32")
-            sums = T.alloc_buffer((2, vecs, lanes), "float32")  # register tiles: in unrolled loops
-            delta = T.alloc_buffer((vecs, lanes), "float32")
+        for task in T.parallel(hv * groups * seqs):  # head-major: one long sequence's tasks spread over the cores
             if seq_len[task % seqs] > 0:
-                for i, v in T.grid(dk, vecs):
-                    for lane in T.vectorized(lanes):
-                        state[i, v * lanes + lane] = T.if_then_else(
-                            seq_pos[task % seqs] > 0, pool[T.max(seq_slot[task % seqs], 0),
-                                                                     task // (groups * seqs), i,
-                                                                     task // seqs % groups * cols + v * lanes + lane],
-                            T.float32(0))
-                for t in range(seq_len[task % seqs]):
-                    for p in T.unroll(2):
-                        for v in T.unroll(vecs):
-                            for lane in T.vectorized(lanes):
-                                sums[p, v, lane] = T.float32(0)
-                    for i0 in range(dk // 2):  # S^T k
-                        for p in T.unroll(2):
-                            for v in T.unroll(vecs):
-                                for lane in T.vectorized(lanes):
-                                    sums[p, v, lane] = sums[p, v, lane] + state[i0 * 2 + p, v * lanes + lane] * qk[
-                                        seq_start[task % seqs] + t, key + task // (groups * seqs) // ratio * dk
-                                        + i0 * 2 + p]
-                    for v in T.unroll(vecs):
-                        for lane in T.vectorized(lanes):  # beta (v - exp(g) S^T k)
-                            delta[v, lane] = gates[seq_start[task % seqs] + t, task // (groups * seqs), 1] * (
-                                qkv[seq_start[task % seqs] + t, value + task // (groups * seqs) * dv
-                                    + task // seqs % groups * cols + v * lanes + lane]
-                                - T.exp(gates[seq_start[task % seqs] + t, task // (groups * seqs), 0])
-                                * (sums[0, v, lane] + sums[1, v, lane]))
-                            sums[0, v, lane] = T.float32(0)
-                            sums[1, v, lane] = T.float32(0)
-                    for i0 in range(dk // 2):  # S = S exp(g) + k delta^T, and S^T q
-                        for p in T.unroll(2):
-                            for v in T.unroll(vecs):
-                                for lane in T.vectorized(lanes):
-                                    state[i0 * 2 + p, v * lanes + lane] = state[i0 * 2 + p, v * lanes + lane] * T.exp(
-                                        gates[seq_start[task % seqs] + t, task // (groups * seqs), 0]) + qk[
-                                        seq_start[task % seqs] + t, key + task // (groups * seqs) // ratio * dk
-                                        + i0 * 2 + p] * delta[v, lane]
-                                    sums[p, v, lane] = sums[p, v, lane] + state[i0 * 2 + p, v * lanes + lane] * qk[
-                                        seq_start[task % seqs] + t, task // (groups * seqs) // ratio * dk
-                                        + i0 * 2 + p]
-                    for v in T.unroll(vecs):
-                        for lane in T.vectorized(lanes):
-                            out[seq_start[task % seqs] + t, task // (groups * seqs) * dv + task // seqs % groups * cols
-                                + v * lanes + lane] = sums[0, v, lane] + sums[1, v, lane]
-                for i, v in T.grid(dk, vecs):
-                    for lane in T.vectorized(lanes):
-                        pool[seq_slot[task % seqs], task // (groups * seqs), i,
-                             task // seqs % groups * cols + v * lanes + lane] = state[i, v * lanes + lane]
+                recurrence(qk, qkv, gates, pool, out, seq_start[task % seqs], seq_len[task % seqs],
+                           seq_pos[task % seqs], seq_slot[task % seqs], task // (groups * seqs),
+                           task // seqs % groups * cols)
 
     return delta_rule
+
+
+def _recurrence_macro(shape: _Shape):
+    """The macro of one sequence (tokens first..first + count, state from `slot` unless it starts at position 0)
+    for head h, value columns j0..j0 + cols."""
+    dk, dv, ratio, key, value, lanes, vecs, cols = (shape.dk, shape.dv, shape.ratio, shape.key, shape.value,
+                                                    shape.lanes, shape.vecs, shape.cols)
+
+    @T.macro
+    def recurrence(qk, qkv, gates, pool, out, first, count, pos, slot, h, j0):
+        state = T.alloc_buffer((dk, cols), "float32")
+        sums = T.alloc_buffer((2, vecs, lanes), "float32")  # register tiles: in unrolled loops
+        delta = T.alloc_buffer((vecs, lanes), "float32")
+        for i, v in T.grid(dk, vecs):
+            for lane in T.vectorized(lanes):
+                state[i, v * lanes + lane] = T.if_then_else(pos > 0, pool[T.max(slot, 0), h, i, j0 + v * lanes + lane],
+                                                            T.float32(0))
+        for t in range(count):
+            for p in T.unroll(2):
+                for v in T.unroll(vecs):
+                    for lane in T.vectorized(lanes):
+                        sums[p, v, lane] = T.float32(0)
+            for i0 in range(dk // 2):  # S^T k
+                for p in T.unroll(2):
+                    for v in T.unroll(vecs):
+                        for lane in T.vectorized(lanes):
+                            sums[p, v, lane] = sums[p, v, lane] + state[i0 * 2 + p, v * lanes + lane] * qk[
+                                first + t, key + h // ratio * dk + i0 * 2 + p]
+            for v in T.unroll(vecs):
+                for lane in T.vectorized(lanes):  # beta (v - exp(g) S^T k)
+                    delta[v, lane] = gates[first + t, h, 1] * (
+                        qkv[first + t, value + h * dv + j0 + v * lanes + lane]
+                        - T.exp(gates[first + t, h, 0]) * (sums[0, v, lane] + sums[1, v, lane]))
+                    sums[0, v, lane] = T.float32(0)
+                    sums[1, v, lane] = T.float32(0)
+            for i0 in range(dk // 2):  # S = S exp(g) + k delta^T, and S^T q
+                for p in T.unroll(2):
+                    for v in T.unroll(vecs):
+                        for lane in T.vectorized(lanes):
+                            state[i0 * 2 + p, v * lanes + lane] = state[i0 * 2 + p, v * lanes + lane] * T.exp(
+                                gates[first + t, h, 0]) + qk[first + t, key + h // ratio * dk + i0 * 2 + p] * delta[
+                                v, lane]
+                            sums[p, v, lane] = sums[p, v, lane] + state[i0 * 2 + p, v * lanes + lane] * qk[
+                                first + t, h // ratio * dk + i0 * 2 + p]
+            for v in T.unroll(vecs):
+                for lane in T.vectorized(lanes):
+                    out[first + t, h * dv + j0 + v * lanes + lane] = sums[0, v, lane] + sums[1, v, lane]
+        for i, v in T.grid(dk, vecs):
+            for lane in T.vectorized(lanes):
+                pool[slot, h, i, j0 + v * lanes + lane] = state[i, v * lanes + lane]
+
+    return recurrence
