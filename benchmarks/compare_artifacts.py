@@ -38,8 +38,8 @@ def main() -> None:
     args = parser.parse_args()
     use_all_cores()
     prompt = list(range(100, 100 + args.tokens))
-    engines = [{"engine": path, "steps": runtime_steps(CompiledModel(args.model_dir, path), prompt), "runs": []}
-               for path in args.artifacts]
+    engines = [{"engine": path, "steps": runtime_steps(CompiledModel(args.model_dir, path), prompt, 2 * args.tokens),
+                "runs": []} for path in args.artifacts]
     results = run_rounds(engines, args.tokens, args.rounds)
     failed = [r for r in results if "error" in r]
     if failed:

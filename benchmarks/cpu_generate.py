@@ -1,6 +1,7 @@
 """End-to-end CPU speed at real model shapes: ours beside transformers and llama.cpp, prefill N tokens, decode N.
 
     python -m benchmarks.cpu_generate --shape qwen2.5-0.5b --dtype bfloat16 --tokens 128 --work DIR
+    python -m benchmarks.cpu_generate --shape qwen2.5-0.5b --tokens 2048 --decode-tokens 32 --work DIR  # long prompt
     python -m benchmarks.cpu_generate --shape all --dtype all --work DIR        # every shape in bf16 and f32
     python -m benchmarks.cpu_generate --shape tinyllama-1.1b --dtype awq --work DIR   # AWQ INT4 beside Q4_0 / Q8_0
 
@@ -26,7 +27,8 @@ quantised by the same llama.cpp build's llama_model_quantize); the roofline coun
 stores (packed words, zeros, f16 scales, the f16 embeddings and lm_head).
 
 Each does one prefill of the N-token prompt (token ids, no tokenizer) and N-1 single-token decode
-steps fed the greedy argmax (no EOS), --runs times; the medians are reported. A peer that is not
+steps fed the greedy argmax (no EOS), --runs times; the medians are reported. --decode-tokens M makes that M-1 steps
+(a long prompt's prefill, and decode at its context, without as many decode steps). A peer that is not
 installed or fails to convert or run is a table row with the reason (llama.cpp first runs one batch of each GGUF in
 a child process, so a crash of its own is such a row, not the end of the benchmark). Prints one JSON line per shape
 and dtype, then a Markdown table with the ratios us/peer and us/decode roofline (the read bandwidth of those
@@ -92,12 +94,17 @@ def ours(model_dir: Path, args, prompt: list[int], threads: int, matmul_precisio
 
     suffix = ("" if matmul_precision == "float32" else f".{matmul_precision}") + (f".{args.mcpu}" if args.mcpu else "")
     artifact = build(model_dir, out=f"{args.work}/{model_dir.name}{suffix}.llvm",
-                     prefill_buckets=(args.tokens,), max_context=2 * args.tokens, mcpu=args.mcpu,
+                     prefill_buckets=(args.tokens,), max_context=context(args), mcpu=args.mcpu,
                      matmul_precision=matmul_precision, quiet=True).path
     model = CompiledModel(model_dir, artifact)
     path = model.manifest.target.bf16_products  # the path the build chose for this CPU
     label = "ours (llvm artifact" + (f", bf16 prefill products on {BF16_PATH_NAMES[path]})" if path else ")")
-    yield label, *runtime_steps(model, prompt)
+    yield label, *runtime_steps(model, prompt, context(args))
+
+
+def context(args) -> int:
+    """Tokens a sequence of the benchmark holds: the prompt and the tokens generated after it."""
+    return args.tokens + args.decode_tokens
 
 
 def ours_bf16(model_dir: Path, args, prompt: list[int], threads: int):
@@ -106,11 +113,11 @@ def ours_bf16(model_dir: Path, args, prompt: list[int], threads: int):
     return ours(model_dir, args, prompt, threads, matmul_precision="bfloat16")
 
 
-def runtime_steps(model, prompt: list[int]):
-    """An engine's (prefill, decode) on a CompiledModel: a fresh cache of twice the prompt, greedy steps."""
+def runtime_steps(model, prompt: list[int], tokens: int):
+    """An engine's (prefill, decode) on a CompiledModel: a fresh cache of `tokens` tokens, greedy steps."""
 
     def prefill():
-        cache = model.new_cache(2 * len(prompt))
+        cache = model.new_cache(tokens)
         return cache, int(np.argmax(model.forward(prompt, cache)))
 
     def decode(state):
@@ -140,9 +147,10 @@ def transformers_peer(model_dir: Path, args, prompt: list[int], threads: int):
     yield label, lambda: step(ids), lambda state: step(state[1], state[0])
 
 
-def llama_options(tokens: int, threads: int) -> dict:
-    """llama.cpp's context options for a prompt of `tokens` in one batch and as many decode steps, on `threads`."""
-    return dict(n_ctx=2 * tokens, n_batch=tokens, n_ubatch=tokens, n_threads=threads, n_threads_batch=threads,
+def llama_options(tokens: int, context_tokens: int, threads: int) -> dict:
+    """llama.cpp's context options for a prompt of `tokens` in one batch in a context of `context_tokens`, on
+    `threads`."""
+    return dict(n_ctx=context_tokens, n_batch=tokens, n_ubatch=tokens, n_threads=threads, n_threads_batch=threads,
                 flash_attn=True, verbose=False)
 
 
@@ -151,7 +159,7 @@ def llama_cpp_peer(gguf: Path, args, prompt: list[int], threads: int):
     """llama.cpp (llama-cpp-python) on a GGUF file, same threads, prompt in one batch: (label, prefill, decode)."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(str(gguf), **llama_options(args.tokens, threads))
+    llm = llama_cpp.Llama(str(gguf), **llama_options(args.tokens, context(args), threads))
     vocab = llm.n_vocab()
 
     def step(tokens):
@@ -183,21 +191,23 @@ def open_engine(stack: ExitStack, peer, source, args, prompt: list[int], threads
         return {"engine": fallback, "error": f"{type(e).__name__}: {e}"}
 
 
-def run_rounds(engines: list[dict], tokens: int, rounds: int) -> list[dict]:
-    """Every open engine once per round, `rounds` times: each prefills in turn (the order rotating by round), then
-    their tokens-1 decode steps interleave, DECODE_SLICES slices taken in turn; each engine's medians (or the error
-    that stopped it). Not one engine's run after another's: a shared host's speed drifts within seconds."""
-    slices = [len(s) for s in np.array_split(np.arange(tokens - 1), DECODE_SLICES) if len(s)]
+def run_rounds(engines: list[dict], tokens: int, rounds: int, steps: int | None = None) -> list[dict]:
+    """Every open engine once per round, `rounds` times: each prefills its `tokens` in turn (the order rotating by
+    round), then their decode steps (`steps`, else tokens - 1) interleave, DECODE_SLICES slices taken in turn; each
+    engine's medians (or the error that stopped it). Not one engine's run after another's: a shared host's speed
+    drifts within seconds."""
+    steps = tokens - 1 if steps is None else steps
+    slices = [len(s) for s in np.array_split(np.arange(steps), DECODE_SLICES) if len(s)]
     for round_ in range(rounds):
         live = [e for e in engines if "steps" in e]
         live = live[round_ % len(live):] + live[:round_ % len(live)] if live else []
         for e in live:
             _turn(e, _prefill, tokens)
-        for steps in slices:
+        for count in slices:
             for e in (e for e in live if "steps" in e):
-                _turn(e, _decode, steps)
+                _turn(e, _decode, count)
         for e in (e for e in live if "steps" in e):
-            e["runs"].append((tokens / e.pop("prefill_s"), (tokens - 1) / e.pop("decode_s")))
+            e["runs"].append((tokens / e.pop("prefill_s"), steps / e.pop("decode_s")))
             e.pop("state")
     return [_result(e) for e in engines]
 
@@ -249,7 +259,7 @@ def gguf_or_error(model_dir: Path, outtype: str, args, threads: int) -> Path | E
             gguf = quantized_gguf(model_dir, outtype, Path(args.work), args.llama_cpp_src)
         else:
             gguf = gguf_file(model_dir, outtype, Path(args.work), args.llama_cpp_src)
-        return survives_a_run(gguf, args.tokens, threads)
+        return survives_a_run(gguf, args.tokens, context(args), threads)
     except Exception as e:  # noqa: BLE001  (reported in the peer's row)
         return e
 
@@ -268,11 +278,11 @@ class PeerCrash(RuntimeError):
     """llama.cpp died on a GGUF in the probe process."""
 
 
-def survives_a_run(gguf: Path, tokens: int, threads: int) -> Path:
+def survives_a_run(gguf: Path, tokens: int, context_tokens: int, threads: int) -> Path:
     """`gguf`, once llama.cpp has run a prompt-sized batch and a decode step on it in a child process: a peer that
     dies there (seen: llama.cpp's AMX path for Q4_0 on a Xeon, SIGSEGV) becomes a row with the reason instead of
     killing this process and every figure in it."""
-    options = json.dumps(llama_options(tokens, threads))
+    options = json.dumps(llama_options(tokens, context_tokens, threads))
     done = subprocess.run([sys.executable, "-c", _PROBE, str(gguf), str(tokens), options], capture_output=True,
                           text=True, check=False)
     if done.returncode != 0:
@@ -298,12 +308,12 @@ def benchmark(shape: str, dtype: str, args) -> dict:
     peers += [(memory_read, weight_bytes, ROOFLINE)]
     with ExitStack() as stack:
         engines = run_rounds([open_engine(stack, peer, source, args, prompt, threads, fallback)
-                              for peer, source, fallback in peers], args.tokens, args.runs)
+                              for peer, source, fallback in peers], args.tokens, args.runs, args.decode_tokens - 1)
     gc.collect()
     roofline = engines.pop().get("decode_tokens_per_s", float("nan"))
     what = f"AWQ INT4 g{AWQ_GROUP}" if dtype == "awq" else dtype
     return {"model": f"{shape} {what} (random weights)", "cpu": cpu_description(), "threads": threads,
-            "tokens": args.tokens, "runs": args.runs,
+            "tokens": args.tokens, "decode_tokens": args.decode_tokens, "runs": args.runs,
             "load_average_1m": round(load, 2), "read_bandwidth_gb_s": round(roofline * weight_bytes / 1e9, 1),
             "weight_bytes_per_token": weight_bytes, "decode_roofline_tokens_per_s": roofline, "engines": engines}
 
@@ -354,7 +364,10 @@ def main() -> None:
     parser.add_argument("--dtype", type=lambda v: choices(v, tuple(GGUF_TYPES), DTYPES), default=["bfloat16"],
                         help="bfloat16, float32, float16, awq (AWQ INT4 beside llama.cpp Q4_0 and Q8_0), a "
                         "comma-separated list, or all (bfloat16 and float32)")
-    parser.add_argument("--tokens", type=int, default=128, help="prompt tokens and decode steps (default 128)")
+    parser.add_argument("--tokens", type=int, default=128, help="prompt tokens, and tokens generated unless --decode-tokens "
+                        "says otherwise (default 128)")
+    parser.add_argument("--decode-tokens", type=int, help="tokens generated after the prompt, the first by the prefill "
+                        "(default: --tokens)")
     parser.add_argument("--runs", type=int, default=3, help="runs per engine; medians are reported (default 3)")
     parser.add_argument("--work", required=True, help="directory for checkpoints, artifacts and GGUF files (reused)")
     parser.add_argument("--mcpu", help="build ours for this LLVM CPU (default: this machine's), e.g. cooperlake on an "
@@ -362,6 +375,9 @@ def main() -> None:
     parser.add_argument("--llama-cpp-src", help="unpacked llama-cpp-python sdist or llama.cpp tree with "
                         "convert_hf_to_gguf.py (default: pip download the installed version's sdist into --work)")
     args = parser.parse_args()
+    args.decode_tokens = args.tokens if args.decode_tokens is None else args.decode_tokens
+    if args.tokens < 1 or args.decode_tokens < 2:
+        parser.error("--tokens must be at least 1 and --decode-tokens at least 2 (one decode step)")
     results = []
     for shape in args.shape:
         for dtype in args.dtype:

@@ -89,6 +89,24 @@ def test_decode_steps_interleave_in_slices_across_engines(monkeypatch):
     assert all(r["decode_tokens_per_s"] > 0 for r in rows)
 
 
+def test_a_long_prompt_runs_as_many_decode_steps_as_asked_in_a_context_that_holds_them(monkeypatch):
+    """--decode-tokens: a 9-token prompt with 3 generated tokens is 2 decode steps a round, and decode tok/s counts
+    those steps; every engine's context holds the prompt and the generated tokens."""
+    monkeypatch.setattr(cpu_generate, "PAUSE_S", 0)
+    clock = iter(range(0, 1000, 2))  # each reading of the benchmark's clock 2 s after the last
+    monkeypatch.setattr(cpu_generate, "time", type("Clock", (), {"perf_counter": clock.__next__,
+                                                                 "sleep": staticmethod(lambda s: None)}))
+    steps: list[str] = []
+    with ExitStack() as stack:
+        opened = [cpu_generate.open_engine(stack, engine("x", [], steps=steps), "s", None, [1] * 9, 1, "x")]
+        rows = cpu_generate.run_rounds(opened, tokens=9, rounds=1, steps=2)
+    assert steps == ["x", "x"]
+    assert rows[0]["prefill_tokens_per_s"] == 9 / 2 and rows[0]["decode_tokens_per_s"] == 2 / 4  # 2 slices, 2 s each
+    args = type("Args", (), {"tokens": 2048, "decode_tokens": 32})()
+    assert cpu_generate.context(args) == 2080
+    assert cpu_generate.llama_options(2048, 2080, 2)["n_ctx"] == 2080
+
+
 def test_the_kernel_profiler_times_every_kernel_of_a_packed_model(tmp_path, monkeypatch, capsys):
     """benchmarks.profile_kernels passes a packed weight's parts (it once passed the packed type as one array)."""
     from benchmarks import profile_kernels
