@@ -364,8 +364,8 @@ def main() -> None:
     parser.add_argument("--dtype", type=lambda v: choices(v, tuple(GGUF_TYPES), DTYPES), default=["bfloat16"],
                         help="bfloat16, float32, float16, awq (AWQ INT4 beside llama.cpp Q4_0 and Q8_0), a "
                         "comma-separated list, or all (bfloat16 and float32)")
-    parser.add_argument("--tokens", type=int, default=128, help="prompt tokens, and tokens generated unless --decode-tokens "
-                        "says otherwise (default 128)")
+    parser.add_argument("--tokens", type=int, default=128,
+                        help="prompt tokens, and tokens generated unless --decode-tokens says otherwise (default 128)")
     parser.add_argument("--decode-tokens", type=int, help="tokens generated after the prompt, the first by the prefill "
                         "(default: --tokens)")
     parser.add_argument("--runs", type=int, default=3, help="runs per engine; medians are reported (default 3)")

@@ -57,9 +57,9 @@ def delta_rule(func: tirx.PrimFunc, attrs: dict, lanes: int, scan_lanes: int) ->
         return None
     chunk = delta_chunk(rows, seqs, attrs["chunk"])
     cols = next(c for c in (scan_lanes, lanes) if dv % c == 0)  # value columns of a state-pass task
+    shape = _Shape(rows, chunk or 1, hk, hv, dk, dv, lanes, cols)  # the recurrence: a chunk of one token
     if chunk == 0:
-        return _recurrent(rows, width, slots, seqs, _Shape(rows, 1, hk, hv, dk, dv, lanes, cols))
-    shape = _Shape(rows, chunk, hk, hv, dk, dv, lanes, cols)
+        return _recurrent(width, slots, seqs, shape)
     prep, state_pass = _prep_macro(shape), _state_macro(shape)
     chunks, groups = rows // chunk, dv // shape.cols
 
@@ -238,12 +238,12 @@ def _state_macro(shape: _Shape):
     return state_pass
 
 
-def _recurrent(rows, width, slots, seqs, shape: _Shape) -> tirx.PrimFunc:
+def _recurrent(width, slots, seqs, shape: _Shape) -> tirx.PrimFunc:
     """The recurrence token by token: a task is one sequence's block of value columns of one head, over its tokens.
     Per token two passes over the block of the state: S^T k (the decay applied after the sum), then S = S exp(g) +
     k delta^T written back while S^T q is summed; each pass's sums in two sets of registers (rows alternating), so
     no chain of FMAs waits on one set's latency."""
-    hk, hv, dk, dv, cols = shape.hv // shape.ratio, shape.hv, shape.dk, shape.dv, shape.cols
+    rows, hk, hv, dk, dv, cols = shape.rows, shape.hv // shape.ratio, shape.hv, shape.dk, shape.dv, shape.cols
     recurrence, groups = _recurrence_macro(shape), dv // cols
 
     @T.prim_func(check_well_formed=False)

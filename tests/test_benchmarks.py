@@ -107,6 +107,16 @@ def test_a_long_prompt_runs_as_many_decode_steps_as_asked_in_a_context_that_hold
     assert cpu_generate.llama_options(2048, 2080, 2)["n_ctx"] == 2080
 
 
+@pytest.mark.parametrize("flags", [["--decode-tokens", "1"], ["--tokens", "0"]])
+def test_a_benchmark_without_a_decode_step_or_a_prompt_is_refused(monkeypatch, capsys, tmp_path, flags):
+    monkeypatch.setattr("sys.argv", ["cpu_generate", "--work", str(tmp_path), *flags])
+    with pytest.raises(SystemExit) as stopped:
+        cpu_generate.main()
+    assert stopped.value.code == 2
+    assert "--tokens must be at least 1 and --decode-tokens at least 2" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before any checkpoint or artifact was made
+
+
 def test_the_kernel_profiler_times_every_kernel_of_a_packed_model(tmp_path, monkeypatch, capsys):
     """benchmarks.profile_kernels passes a packed weight's parts (it once passed the packed type as one array)."""
     from benchmarks import profile_kernels
