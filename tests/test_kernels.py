@@ -15,7 +15,7 @@ from compiler.kernels import KERNELS, make_kernel
 from compiler.target import cpu_target
 from ir import OPS, TensorType, infer_types
 from schedules import cpu
-from schedules.cpu_attention import paged_attention
+from schedules.cpu_attention import WEIGHTED_POSITIONS, paged_attention
 from schedules.cpu_conv import causal_conv
 from schedules.cpu_delta import delta_rule
 
@@ -161,6 +161,31 @@ def test_written_paged_attention_blocks_chunks_and_single_rows(lanes_target, hea
     target = TARGET if lanes_target == "native" else cpu_target(lanes_target)
     func = make_kernel("paged_attention", types, attrs).func
     assert paged_attention(func, attrs, target.lanes) is not None
+    out = tvm.runtime.empty(q.shape, "float32", tvm.cpu())
+    lib = tvm.compile(cpu.schedule(func, "paged_attention", attrs, target), target.tvm_target())
+    lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)
+    close(out.numpy(), ref.paged_attention(q, k_pages, v_pages, table, row_of, pos_of, **attrs), tol=1e-4)
+
+
+@pytest.mark.parametrize("lanes_target", ["native", "x86-64-v3"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (2, 1, 256)])
+def test_written_paged_attention_sums_values_in_passes_of_positions(lanes_target, heads, kv_heads, head_dim):
+    """A prefill chunk deep in a sequence (32 rows at positions 70..101) sums its weighted values in several passes
+    of WEIGHTED_POSITIONS positions, the last one ragged, over scattered pages whose slots after the chunk hold NaN."""
+    block, rows, first = 16, 32, 70
+    seen = first + rows
+    assert seen > 2 * WEIGHTED_POSITIONS and seen % WEIGHTED_POSITIONS  # several passes, the last one ragged
+    table = RNG.permutation(10).astype(np.int32)[None, :8]  # 8 of 10 pages, in no order: 128 slots
+    k_pages, v_pages = rand(10, block, kv_heads * head_dim), rand(10, block, kv_heads * head_dim)
+    for p in range(seen, 8 * block):
+        k_pages[table[0, p // block], p % block] = np.nan
+        v_pages[table[0, p // block], p % block] = np.nan
+    row_of, pos_of = np.zeros(rows, dtype=np.int32), np.arange(first, seen, dtype=np.int32)
+    q = rand(rows, heads * head_dim)
+    attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "scale": head_dim ** -0.5}
+    inputs = [q, k_pages, v_pages, table, row_of, pos_of]
+    target = TARGET if lanes_target == "native" else cpu_target(lanes_target)
+    func = make_kernel("paged_attention", [TensorType(a.shape, str(a.dtype)) for a in inputs], attrs).func
     out = tvm.runtime.empty(q.shape, "float32", tvm.cpu())
     lib = tvm.compile(cpu.schedule(func, "paged_attention", attrs, target), target.tvm_target())
     lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)
