@@ -57,6 +57,39 @@ def store(tile, address):
     T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilestored64", T.int8(tile), address, T.int64(64)))
 
 
+def _swapped(a, b, half: int, high: bool):
+    """Rows a and b of a tile (vectors) with the blocks of `half` columns off their diagonal swapped: row a's upper
+    halves replaced by b's lower ones (`high` False), or b's lower halves by a's upper ones (`high` True)."""
+    lanes = TILE
+    if high:
+        order = [k + half if k & half == 0 else lanes + k for k in range(lanes)]
+    else:
+        order = [k if k & half == 0 else lanes + k - half for k in range(lanes)]
+    return tirx.Shuffle([a, b], order)
+
+
+@T.macro
+def _swap_pass(src, dst, half):
+    """dst = src with the off-diagonal blocks of `half` columns of each pair of rows `half` apart swapped."""
+    for p in T.unroll(TILE // 2):
+        dst[p // half * 2 * half + p % half, T.ramp(0, 1, TILE)] = _swapped(
+            src[p // half * 2 * half + p % half, T.ramp(0, 1, TILE)],
+            src[p // half * 2 * half + p % half + half, T.ramp(0, 1, TILE)], half, False)
+        dst[p // half * 2 * half + p % half + half, T.ramp(0, 1, TILE)] = _swapped(
+            src[p // half * 2 * half + p % half, T.ramp(0, 1, TILE)],
+            src[p // half * 2 * half + p % half + half, T.ramp(0, 1, TILE)], half, True)
+
+
+@T.macro
+def transpose(t0, t1):
+    """t0 (TILE x TILE) transposed in place, through t1: four passes of blocks of 8, 4, 2 and 1 columns (64
+    two-vector shuffles; read column by column, a tile took 256 scalar loads and 240 inserts)."""
+    _swap_pass(t0, t1, 8)
+    _swap_pass(t1, t0, 4)
+    _swap_pass(t0, t1, 2)
+    _swap_pass(t1, t0, 1)
+
+
 def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     """x @ w.T (+ bias) for float32 x and bfloat16 w on AMX tiles, or None when the shape does not fit
     (token rows, depth and outputs must be multiples of 32)."""
@@ -74,6 +107,8 @@ def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
         for task in T.parallel(n // BLOCK):  # a task: 32 outputs for every token row
             cfg = T.alloc_buffer((64,), "uint8")  # on the stack
             acc = T.alloc_buffer((4, TILE, TILE), "float32", scope="local")
+            t0 = T.alloc_buffer((TILE, TILE), "float32")  # a tile being transposed: 1 KiB each, in registers
+            t1 = T.alloc_buffer((TILE, TILE), "float32")
             _tile_config(cfg)
             for rows in range(m // BLOCK):
                 zero(4)
@@ -93,11 +128,15 @@ def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
                 store(5, T.address_of(acc[1, 0, 0]))
                 store(6, T.address_of(acc[2, 0, 0]))
                 store(7, T.address_of(acc[3, 0, 0]))
-                for wt, xt, r in T.grid(2, 2, TILE):  # acc[2 * wt + xt] is [output, token]; no Let for the column:
-                    # TVM 0.27 miscompiles a LetStmt inside a vectorised loop (it stored zeros)
-                    for c in T.vectorized(TILE):
-                        y[rows * BLOCK + xt * TILE + r, task * BLOCK + wt * TILE + c] = (
-                            acc[wt * 2 + xt, c, r] + first(task * BLOCK + wt * TILE + c))
+                for wt, xt in T.grid(2, 2):  # acc[2 * wt + xt] is [output, token]: transposed in registers
+                    for c in T.unroll(TILE):
+                        t0[c, T.ramp(0, 1, TILE)] = acc[wt * 2 + xt, c, T.ramp(0, 1, TILE)]
+                    transpose(t0, t1)
+                    for r in T.unroll(TILE):  # no Let for the column: TVM 0.27 miscompiles a LetStmt inside a
+                        # vectorised loop (it stored zeros)
+                        for c in T.vectorized(TILE):
+                            y[rows * BLOCK + xt * TILE + r, task * BLOCK + wt * TILE + c] = (
+                                t0[r, c] + first(task * BLOCK + wt * TILE + c))
             T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))
 
     return linear_func(func, products)
