@@ -60,24 +60,28 @@ def store(tile, address):
 def _swapped(a, b, half: int, high: bool):
     """Rows a and b of a tile (vectors) with the blocks of `half` columns off their diagonal swapped: row a's upper
     halves replaced by b's lower ones (`high` False), or b's lower halves by a's upper ones (`high` True)."""
-    lanes = TILE
     if high:
-        order = [k + half if k & half == 0 else lanes + k for k in range(lanes)]
+        order = [k + half if k & half == 0 else TILE + k for k in range(TILE)]
     else:
-        order = [k if k & half == 0 else lanes + k - half for k in range(lanes)]
+        order = [k if k & half == 0 else TILE + k - half for k in range(TILE)]
     return tirx.Shuffle([a, b], order)
+
+
+def _upper_row(p, half: int):
+    """The upper row of pair p of a swap pass: pairs are rows `half` apart, in runs of `half`."""
+    return p // half * 2 * half + p % half
 
 
 @T.macro
 def _swap_pass(src, dst, half):
     """dst = src with the off-diagonal blocks of `half` columns of each pair of rows `half` apart swapped."""
     for p in T.unroll(TILE // 2):
-        dst[p // half * 2 * half + p % half, T.ramp(0, 1, TILE)] = _swapped(
-            src[p // half * 2 * half + p % half, T.ramp(0, 1, TILE)],
-            src[p // half * 2 * half + p % half + half, T.ramp(0, 1, TILE)], half, False)
-        dst[p // half * 2 * half + p % half + half, T.ramp(0, 1, TILE)] = _swapped(
-            src[p // half * 2 * half + p % half, T.ramp(0, 1, TILE)],
-            src[p // half * 2 * half + p % half + half, T.ramp(0, 1, TILE)], half, True)
+        dst[_upper_row(p, half), T.ramp(0, 1, TILE)] = _swapped(src[_upper_row(p, half), T.ramp(0, 1, TILE)],
+                                                                src[_upper_row(p, half) + half, T.ramp(0, 1, TILE)],
+                                                                half, False)
+        dst[_upper_row(p, half) + half, T.ramp(0, 1, TILE)] = _swapped(
+            src[_upper_row(p, half), T.ramp(0, 1, TILE)], src[_upper_row(p, half) + half, T.ramp(0, 1, TILE)],
+            half, True)
 
 
 @T.macro

@@ -24,12 +24,12 @@ RNG = np.random.default_rng(0)
 NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "int32": np.int32}
 
 
-def run_kernel(kind: str, inputs: list, attrs: dict) -> list[np.ndarray]:
-    """Compile `kind` for these inputs (arrays) and return its outputs."""
+def run_kernel(kind: str, inputs: list, attrs: dict, target=TARGET) -> list[np.ndarray]:
+    """Compile `kind` for these inputs (arrays) and `target` (default: this CPU) and return its outputs."""
     types = [TensorType(x.shape, str(x.dtype)) for x in inputs]
-    kernel = make_kernel(kind, types, attrs, TARGET.scan_lanes)
-    func = cpu.schedule(kernel.func, kind, attrs, TARGET)
-    lib = tvm.compile(func, TARGET.tvm_target())
+    kernel = make_kernel(kind, types, attrs, target.scan_lanes)
+    func = cpu.schedule(kernel.func, kind, attrs, target)
+    lib = tvm.compile(func, target.tvm_target())
     dev = tvm.cpu()
     args = [tvm.runtime.tensor(x, dev) for x in inputs]
     args += [tvm.runtime.tensor(c, dev) for c in kernel.constants]
@@ -159,12 +159,9 @@ def test_written_paged_attention_blocks_chunks_and_single_rows(lanes_target, hea
     inputs = [q, k_pages, v_pages, table, row_of, pos_of]
     types = [TensorType(a.shape, str(a.dtype)) for a in inputs]
     target = TARGET if lanes_target == "native" else cpu_target(lanes_target)
-    func = make_kernel("paged_attention", types, attrs).func
-    assert paged_attention(func, attrs, target.lanes) is not None
-    out = tvm.runtime.empty(q.shape, "float32", tvm.cpu())
-    lib = tvm.compile(cpu.schedule(func, "paged_attention", attrs, target), target.tvm_target())
-    lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)
-    close(out.numpy(), ref.paged_attention(q, k_pages, v_pages, table, row_of, pos_of, **attrs), tol=1e-4)
+    assert paged_attention(make_kernel("paged_attention", types, attrs).func, attrs, target.lanes) is not None
+    got = run_kernel("paged_attention", inputs, attrs, target)[0]
+    close(got, ref.paged_attention(q, k_pages, v_pages, table, row_of, pos_of, **attrs), tol=1e-4)
 
 
 @pytest.mark.parametrize("lanes_target", ["native", "x86-64-v3"])
@@ -185,11 +182,8 @@ def test_written_paged_attention_sums_values_in_passes_of_positions(lanes_target
     attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "scale": head_dim ** -0.5}
     inputs = [q, k_pages, v_pages, table, row_of, pos_of]
     target = TARGET if lanes_target == "native" else cpu_target(lanes_target)
-    func = make_kernel("paged_attention", [TensorType(a.shape, str(a.dtype)) for a in inputs], attrs).func
-    out = tvm.runtime.empty(q.shape, "float32", tvm.cpu())
-    lib = tvm.compile(cpu.schedule(func, "paged_attention", attrs, target), target.tvm_target())
-    lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)
-    close(out.numpy(), ref.paged_attention(q, k_pages, v_pages, table, row_of, pos_of, **attrs), tol=1e-4)
+    got = run_kernel("paged_attention", inputs, attrs, target)[0]
+    close(got, ref.paged_attention(q, k_pages, v_pages, table, row_of, pos_of, **attrs), tol=1e-4)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(14, 2), (32, 4), (4, 4)])
