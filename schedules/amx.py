@@ -26,7 +26,7 @@ BLOCK = 2 * TILE  # outputs per block side: 2 weight tiles x 2 activation tiles 
 
 
 @T.macro
-def _tile_config(cfg):
+def tile_config(cfg):
     """Palette 1 with all eight tiles at 16 rows x 64 bytes, loaded into this thread's tile registers."""
     for i in range(64):
         cfg[i] = T.uint8(0)
@@ -53,8 +53,8 @@ def zero(tile):
 
 
 @T.macro
-def store(tile, address):
-    T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilestored64", T.int8(tile), address, T.int64(64)))
+def store(tile, address, stride):
+    T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilestored64", T.int8(tile), address, T.int64(stride)))
 
 
 def _swapped(a, b, half: int, high: bool):
@@ -113,7 +113,7 @@ def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
             acc = T.alloc_buffer((4, TILE, TILE), "float32", scope="local")
             t0 = T.alloc_buffer((TILE, TILE), "float32")  # a tile being transposed: 1 KiB each, in registers
             t1 = T.alloc_buffer((TILE, TILE), "float32")
-            _tile_config(cfg)
+            tile_config(cfg)
             for rows in range(m // BLOCK):
                 zero(4)
                 zero(5)
@@ -128,10 +128,10 @@ def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
                     dot(5, 0, 3)
                     dot(6, 1, 2)
                     dot(7, 1, 3)
-                store(4, T.address_of(acc[0, 0, 0]))
-                store(5, T.address_of(acc[1, 0, 0]))
-                store(6, T.address_of(acc[2, 0, 0]))
-                store(7, T.address_of(acc[3, 0, 0]))
+                store(4, T.address_of(acc[0, 0, 0]), 64)
+                store(5, T.address_of(acc[1, 0, 0]), 64)
+                store(6, T.address_of(acc[2, 0, 0]), 64)
+                store(7, T.address_of(acc[3, 0, 0]), 64)
                 for wt, xt in T.grid(2, 2):  # acc[2 * wt + xt] is [output, token]: transposed in registers
                     for c in T.unroll(TILE):
                         t0[c, T.ramp(0, 1, TILE)] = acc[wt * 2 + xt, c, T.ramp(0, 1, TILE)]
@@ -190,7 +190,7 @@ def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
             bt = T.alloc_buffer((k // DEPTH, PAIR_SLOTS, TILE, TILE), "uint32")  # B tiles: [step, nibble, pair, col]
             acc = T.alloc_buffer((2, 2, TILE, TILE), "float32", scope="local")
             yacc = T.alloc_buffer((m, columns), "float32")
-            _tile_config(cfg)
+            tile_config(cfg)
             for i in range(2 * TILE):
                 table[i] = bf16_bits(T.Cast("float32", i))  # exact: the bfloat16 of each 4-bit value
             for d, i in T.grid(k // DEPTH, TILE):
@@ -217,10 +217,10 @@ def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
                     dot(5, 0, 3)
                     dot(6, 1, 2)
                     dot(7, 1, 3)
-                store(4, T.address_of(acc[0, 0, 0, 0]))
-                store(5, T.address_of(acc[0, 1, 0, 0]))
-                store(6, T.address_of(acc[1, 0, 0, 0]))
-                store(7, T.address_of(acc[1, 1, 0, 0]))
+                store(4, T.address_of(acc[0, 0, 0, 0]), 64)
+                store(5, T.address_of(acc[0, 1, 0, 0]), 64)
+                store(6, T.address_of(acc[1, 0, 0, 0]), 64)
+                store(7, T.address_of(acc[1, 1, 0, 0]), 64)
                 for xt, nt, r in T.grid(2, 2, TILE):  # acc[xt, nt] is [token, column] of nibble 2 half + nt
                     for c in T.vectorized(TILE):
                         yacc[rows * BLOCK + xt * TILE + r, (2 * half + nt) * TILE + c] = yacc[

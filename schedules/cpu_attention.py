@@ -24,7 +24,10 @@ import operator
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .written import FLOATS_PER_LINE, prefetch
+from .amx_attention import amx_block_macro
+from .amx_attention import fits as amx_fits
+from .vector_math import softmax_exp
+from .written import FLOATS_PER_LINE, horizontal, prefetch
 
 # Scalars are written inline, never bound by assignment: TVM 0.27 makes such a name a one-element heap buffer that
 # every use stores and reloads.
@@ -111,7 +114,7 @@ def _block_macro(shape: _Shape):
             for j in range(steps(seen) * POSITIONS):
                 for lane in T.vectorized(lanes):
                     s[j, v * lanes + lane] = T.Select(j <= T.min(first + v * lanes + lane, seen - 1),
-                                                      T.exp(s[j, v * lanes + lane] - top[v, lane]), T.float32(0))
+                                                      softmax_exp(s[j, v * lanes + lane] - top[v, lane]), T.float32(0))
                     total[v, lane] = total[v, lane] + s[j, v * lanes + lane]
         for c0 in range(dim // lanes // out_vecs):  # a pass per out_vecs vectors of the head dimension
             for r, c in T.grid(block, out_vecs):
@@ -142,14 +145,6 @@ def _block_macro(shape: _Shape):
                         r // lanes, r % lanes]
 
     return rows_block
-
-
-def _horizontal(vector, lanes: int, combine):
-    """`combine` over the lanes of a vector, as a tree of halves (log2(lanes) steps, not lanes - 1)."""
-    while lanes > 2:
-        lanes //= 2
-        vector = combine(T.vectorlow(f"float32x{lanes}", vector), T.vectorhigh(f"float32x{lanes}", vector))
-    return combine(tirx.Shuffle([vector], [0]), tirx.Shuffle([vector], [1]))
 
 
 def _row_macro(shape: _Shape):
@@ -198,7 +193,7 @@ def _row_macro(shape: _Shape):
                             acc[i, p, lane] = acc[i, p, lane] + qs[i, c, lane] * keys[offsets[p] + c * lanes + lane]
             for i in T.unroll(heads):
                 for p in T.unroll(positions):
-                    s[i, step * positions + p] = T.Select(step * positions + p <= last, _horizontal(
+                    s[i, step * positions + p] = T.Select(step * positions + p <= last, horizontal(
                         acc[i, p, T.ramp(0, 1, lanes)], lanes, operator.add), lowest)
         for i in range(heads):
             for lane in T.vectorized(lanes):
@@ -207,12 +202,12 @@ def _row_macro(shape: _Shape):
             for j in range((last + lanes) // lanes):
                 for lane in T.vectorized(lanes):
                     best[lane] = T.max(best[lane], s[i, j * lanes + lane])
-            top[0] = _horizontal(best[T.ramp(0, 1, lanes)], lanes, T.max)
+            top[0] = horizontal(best[T.ramp(0, 1, lanes)], lanes, T.max)
             for j in range((last + lanes) // lanes):
                 for lane in T.vectorized(lanes):
-                    s[i, j * lanes + lane] = T.exp(s[i, j * lanes + lane] - top[0])  # masked positions: 0
+                    s[i, j * lanes + lane] = softmax_exp(s[i, j * lanes + lane] - top[0])  # masked: e^-87, nothing
                     sums[lane] = sums[lane] + s[i, j * lanes + lane]
-            total[i] = _horizontal(sums[T.ramp(0, 1, lanes)], lanes, operator.add)
+            total[i] = horizontal(sums[T.ramp(0, 1, lanes)], lanes, operator.add)
         for c0 in range(chunks // pass_vecs):
             for e, i, c in T.grid(sets, heads, pass_vecs):
                 for lane in T.vectorized(lanes):
@@ -238,10 +233,11 @@ def _row_macro(shape: _Shape):
     return rows
 
 
-def paged_attention(func: tirx.PrimFunc, attrs: dict, lanes: int) -> tirx.PrimFunc | None:
+def paged_attention(func: tirx.PrimFunc, attrs: dict, lanes: int, amx: bool = False) -> tirx.PrimFunc | None:
     """The `paged_attention` op's kernel: each block of rows that is a run of consecutive positions of one
-    sequence (a prefill chunk) as a block, every other row (decodes, padding, a chunk's ragged end) on its own;
-    or None when head_dim is not whole SIMD vectors."""
+    sequence (a prefill chunk) as a block (its products on AMX tiles in bfloat16 with `amx`, where the block fits
+    them: `schedules.amx_attention`), every other row (decodes, padding, a chunk's ragged end) on its own; or None
+    when head_dim is not whole SIMD vectors."""
     q_buf, k_buf, _, table_buf = func.params[:4]
     pages, page_size, kv_width = (int(d) for d in k_buf.shape)
     seqs, width = (int(d) for d in table_buf.shape)
@@ -252,6 +248,7 @@ def paged_attention(func: tirx.PrimFunc, attrs: dict, lanes: int) -> tirx.PrimFu
     block = shape.block if shape.blocked else rows
     blocks = rows // block
     rows_block, heads_row = _block_macro(shape), _row_macro(shape)
+    on_tiles = amx and amx_fits(dim, block)
     page_floats = page_size * kv_width
 
     def slot_base(table, seq):
@@ -265,11 +262,17 @@ def paged_attention(func: tirx.PrimFunc, attrs: dict, lanes: int) -> tirx.PrimFu
                       slot_base(table, row_of[t0 + r]))
 
     @T.macro
+    def float_heads(q, out, keys, values, h0, kv, r0, first, seen, base):
+        for i in range(head_block):
+            rows_block(q, out, keys, values, h0 + i, kv, r0, first, seen, base)
+
+    block_heads = amx_block_macro(shape) if on_tiles else float_heads
+
+    @T.macro
     def chunk_or_rows(q, out, keys, values, table, row_of, pos_of, h0, t0):
         if row_of[t0 + block - 1] == row_of[t0] and pos_of[t0 + block - 1] == pos_of[t0] + block - 1:
-            for i in range(head_block):
-                rows_block(q, out, keys, values, h0 + i, (h0 + i) // group * dim, t0, pos_of[t0], pos_of[t0] + block,
-                           slot_base(table, row_of[t0]))
+            block_heads(q, out, keys, values, h0, h0 // group * dim, t0, pos_of[t0], pos_of[t0] + block,
+                        slot_base(table, row_of[t0]))
         else:
             single_rows(q, out, keys, values, table, row_of, pos_of, h0, t0)
 

@@ -14,6 +14,14 @@ def prefetch(element, into_l1: bool = False):
     return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(element), 0, 3 if into_l1 else 2, 1)
 
 
+def horizontal(vector, lanes: int, combine):
+    """`combine` over the lanes of a vector, as a tree of halves (log2(lanes) steps, not lanes - 1)."""
+    while lanes > 2:
+        lanes //= 2
+        vector = combine(T.vectorlow(f"float32x{lanes}", vector), T.vectorhigh(f"float32x{lanes}", vector))
+    return combine(tirx.Shuffle([vector], [0]), tirx.Shuffle([vector], [1]))
+
+
 def thread_loop(emulate: bool):
     """loop(extent, tag): a loop bound to GPU thread axis `tag`, or, to emulate the kernel on the CPU, a serial one."""
     if emulate:

@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tvm
+import numpy_reference as ref
 from numpy_reference import dequantise
 
 from compiler.build import build
@@ -25,22 +26,29 @@ from runtime.cpu import enable_amx
 from runtime.weights import TRANSFORMS
 from schedules import cpu
 from schedules.amx import amx_awq_gemm, amx_gemm
+from schedules.cpu_attention import paged_attention
 
 HAS_AMX = {"amx_tile", "amx_bf16"} <= host_cpu_flags()
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX-BF16 tiles")
 RNG = np.random.default_rng(5)
 
 
-def run_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, str]:
-    """The linear kernel as a bfloat16 build schedules it, run on these arrays; (output, its assembly)."""
+def run_bf16_kernel(kind: str, inputs: list[np.ndarray], attrs: dict, out_shape) -> tuple[np.ndarray, str]:
+    """The kernel of `kind` as a bfloat16 build schedules it, run on these arrays; (its float32 output, its
+    assembly)."""
     target = cpu_target(matmul_precision="bfloat16")
-    inputs = [x, w] + ([bias] if bias is not None else [])
-    kernel = make_kernel("linear", [TensorType(a.shape, str(a.dtype)) for a in inputs], {})
-    lib = tvm.compile(cpu.schedule(kernel.func, "linear", {}, target), target.tvm_target())
+    kernel = make_kernel(kind, [TensorType(a.shape, str(a.dtype)) for a in inputs], attrs)
+    lib = tvm.compile(cpu.schedule(kernel.func, kind, attrs, target), target.tvm_target())
     enable_amx()
-    out = tvm.runtime.empty((x.shape[0], w.shape[0]), "float32", tvm.cpu())
+    out = tvm.runtime.empty(out_shape, "float32", tvm.cpu())
     lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)
     return out.numpy(), lib.mod.inspect_source("asm")
+
+
+def run_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, str]:
+    """The linear kernel of a bfloat16 build on these arrays; (output, its assembly)."""
+    inputs = [x, w] + ([bias] if bias is not None else [])
+    return run_bf16_kernel("linear", inputs, {}, (x.shape[0], w.shape[0]))
 
 
 def assert_bf16_prefill_tracks(ours: CompiledModel, hf, prompt: list[int]) -> None:
@@ -130,18 +138,81 @@ def test_shapes_that_do_not_fill_the_tiles_keep_float32_products():
         assert amx_gemm(kernel.func) is None
 
 
+def rounded_attention(q, k_pages, v_pages, table, row_of, pos_of, num_heads, num_kv_heads, head_dim, scale):
+    """Paged attention with q (scaled), keys, probabilities and values rounded to bfloat16, each row divided by the
+    sum of its rounded probabilities: what the AMX kernel computes, in float64."""
+    def bf16(x):
+        return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+    page, group, out = k_pages.shape[1], num_heads // num_kv_heads, np.zeros_like(q)
+    for t in range(q.shape[0]):
+        slots = [(table[row_of[t], j // page], j % page) for j in range(pos_of[t] + 1)]
+        for h in range(num_heads):
+            columns = slice(h // group * head_dim, (h // group + 1) * head_dim)
+            keys = bf16(np.stack([k_pages[p, s, columns] for p, s in slots]))
+            values = bf16(np.stack([v_pages[p, s, columns] for p, s in slots]))
+            scores = keys @ bf16(q[t, h * head_dim:(h + 1) * head_dim] * np.float32(scale))
+            weights = bf16(np.exp(scores - scores.max()))
+            out[t, h * head_dim:(h + 1) * head_dim] = weights @ values / weights.sum()
+    return out
+
+
+@needs_amx
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (14, 2, 64), (2, 1, 256), (4, 4, 128)])
+def test_amx_prefill_attention_matches_numpy_on_rounded_operands(heads, kv_heads, head_dim):
+    """Two 32-row blocks of a prefill chunk deep in a sequence (positions 45..108, scattered pages, NaN in the slots
+    after it) on AMX tiles, against numpy with the operands rounded to bfloat16; a third block of decode rows of
+    other sequences and padding stays float32."""
+    page, first, chunk = 16, 45, 64
+    pages, table = RNG.permutation(12).astype(np.int32), np.full((3, 8), -1, dtype=np.int32)
+    table[0], table[1, :2], table[2, 0] = pages[:8], pages[8:10], pages[10]  # in no order
+    k_pages = (RNG.standard_normal((12, page, kv_heads * head_dim)) * 2).astype(np.float32)
+    v_pages = RNG.standard_normal((12, page, kv_heads * head_dim)).astype(np.float32)
+    row_of, pos_of = np.zeros(96, dtype=np.int32), np.zeros(96, dtype=np.int32)
+    pos_of[:chunk] = np.arange(first, first + chunk)
+    row_of[chunk:chunk + 2], pos_of[chunk:chunk + 2] = [1, 2], [20, 9]  # decode rows; then padding
+    for seq, last in ((0, first + chunk - 1), (1, 20), (2, 9)):
+        for p in range(last + 1, 8 * page):
+            if table[seq, p // page] >= 0:
+                k_pages[table[seq, p // page], p % page] = v_pages[table[seq, p // page], p % page] = np.nan
+    q = RNG.standard_normal((96, heads * head_dim)).astype(np.float32)
+    attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "scale": head_dim ** -0.5}
+    inputs = [q, k_pages, v_pages, table, row_of, pos_of]
+    got, asm = run_bf16_kernel("paged_attention", inputs, attrs, q.shape)
+    assert "tdpbf16ps" in asm
+    rounded = rounded_attention(*inputs, **attrs)
+    exact = ref.paged_attention(*inputs, **attrs)
+    top = float(np.abs(exact).max())
+    np.testing.assert_allclose(got[:chunk], rounded[:chunk], rtol=0, atol=1e-4 * top)
+    assert np.abs(got[:chunk] - exact[:chunk]).max() > 1e-3 * top  # the chunk's operands really were rounded
+    np.testing.assert_allclose(got[chunk:], exact[chunk:], rtol=0, atol=1e-5 * top)  # single rows: float32
+
+
+def test_attention_blocks_that_do_not_fill_the_tiles_keep_float32_products():
+    """Head dimensions that are not whole tile depths, and 16-row blocks (rows not a multiple of 32), stay on the
+    float32 block kernel in a bfloat16 build."""
+    for rows, head_dim in [(64, 48), (48, 64)]:
+        cache = TensorType((4, 16, 2 * head_dim), "float32")
+        types = [TensorType((rows, 4 * head_dim), "float32"), cache, cache, TensorType((1, 4), "int32"),
+                 TensorType((rows,), "int32"), TensorType((rows,), "int32")]
+        attrs = {"num_heads": 4, "num_kv_heads": 2, "head_dim": head_dim, "scale": head_dim ** -0.5}
+        written = paged_attention(make_kernel("paged_attention", types, attrs).func, attrs, 16, amx=True)
+        assert "tdpbf16ps" not in written.script()
+
+
 @needs_amx
 def test_whole_model_with_amx_prefill_tracks_transformers(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    model_dir = write_tiny_checkpoint(tmp_path / "model", arch="qwen2", dtype="bfloat16", seed=4)
+    model_dir = write_tiny_checkpoint(tmp_path / "model", arch="qwen2", dtype="bfloat16", seed=4, head_dim=32)
     artifact = build(model_dir, out=tmp_path / "amx", prefill_buckets=(32,), max_context=64,
                      matmul_precision="bfloat16", quiet=True).path
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["target"]["matmul_precision"] == "bfloat16" and "amx-bf16" in manifest["target"]["features"]
     ours = CompiledModel(model_dir, artifact)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    assert_bf16_prefill_tracks(ours, hf, [int(t) for t in RNG.integers(0, ours.config.vocab_size, 24)])
+    # 40 tokens: a 32-row chunk whose attention runs on tiles too (head_dim 32), then 8 rows and padding
+    assert_bf16_prefill_tracks(ours, hf, [int(t) for t in RNG.integers(0, ours.config.vocab_size, 40)])
 
     def refuse():
         raise OSError(1, "Linux refused this process AMX tile state (test)")
