@@ -149,3 +149,26 @@ def test_artifact_comparison_ratios_pair_each_round_with_the_first_artifacts_sam
     first = {"runs": [(100.0, 10.0), (400.0, 40.0), (200.0, 20.0)]}
     second = {"runs": [(200.0, 15.0), (800.0, 60.0), (400.0, 30.0)]}
     assert same_round_ratios([first, second]) == [(1.0, 1.0), (2.0, 1.5)]
+
+
+def test_rounded_attention_model_is_transformers_attention_until_it_rounds(tmp_path, monkeypatch):
+    """bf16_numerics' model of the AMX attention: with nothing rounded it gives transformers' eager logits (masks
+    and GQA as transformers has them), with its operands rounded it moves them by bfloat16's error and no more."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from benchmarks import bf16_numerics
+    from models.tiny import write_tiny_checkpoint
+
+    model_dir = write_tiny_checkpoint(tmp_path / "model", arch="qwen2", dtype="bfloat16", seed=2)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    ids = torch.tensor([list(range(3, 43))])
+    with torch.no_grad():
+        want = hf(ids).logits
+        hf.set_attn_implementation(bf16_numerics._rounded_attention_name())
+        rounded = hf(ids).logits
+        monkeypatch.setattr(bf16_numerics, "_bf16", lambda x: x)
+        exact = hf(ids).logits
+    scale = float(want.abs().max())
+    assert float((exact - want).abs().max()) < 1e-5 * scale
+    assert 1e-4 * scale < float((rounded - want).abs().max()) < 2e-2 * scale
