@@ -18,7 +18,7 @@ from tvm.script import tirx as T
 
 from ir.packing import PAIR_SLOTS, pair_column, pair_order, pair_scale, pair_value
 
-from .written import PAIR_ROWS, bf16_bits, linear_func, pack_activation_pairs, packed_linear_func
+from .written import PAIR_ROWS, bf16_bits, linear_func, pack_activation_pairs, packed_linear_func, transpose
 
 TILE = PAIR_ROWS  # rows per tile (16); a tile row holds 64 bytes: 32 bfloat16 or 16 float32
 DEPTH = 32  # bfloat16 depth per dot product
@@ -55,43 +55,6 @@ def zero(tile):
 @T.macro
 def store(tile, address, stride):
     T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilestored64", T.int8(tile), address, T.int64(stride)))
-
-
-def _swapped(a, b, half: int, high: bool):
-    """Rows a and b of a tile (vectors) with the blocks of `half` columns off their diagonal swapped: row a's upper
-    halves replaced by b's lower ones (`high` False), or b's lower halves by a's upper ones (`high` True)."""
-    if high:
-        order = [k + half if k & half == 0 else TILE + k for k in range(TILE)]
-    else:
-        order = [k if k & half == 0 else TILE + k - half for k in range(TILE)]
-    return tirx.Shuffle([a, b], order)
-
-
-def _upper_row(p, half: int):
-    """The upper row of pair p of a swap pass: pairs are rows `half` apart, in runs of `half`."""
-    return p // half * 2 * half + p % half
-
-
-@T.macro
-def _swap_pass(src, dst, half):
-    """dst = src with the off-diagonal blocks of `half` columns of each pair of rows `half` apart swapped."""
-    for p in T.unroll(TILE // 2):
-        dst[_upper_row(p, half), T.ramp(0, 1, TILE)] = _swapped(src[_upper_row(p, half), T.ramp(0, 1, TILE)],
-                                                                src[_upper_row(p, half) + half, T.ramp(0, 1, TILE)],
-                                                                half, False)
-        dst[_upper_row(p, half) + half, T.ramp(0, 1, TILE)] = _swapped(
-            src[_upper_row(p, half), T.ramp(0, 1, TILE)], src[_upper_row(p, half) + half, T.ramp(0, 1, TILE)],
-            half, True)
-
-
-@T.macro
-def transpose(t0, t1):
-    """t0 (TILE x TILE) transposed in place, through t1: four passes of blocks of 8, 4, 2 and 1 columns (64
-    two-vector shuffles; read column by column, a tile took 256 scalar loads and 240 inserts)."""
-    _swap_pass(t0, t1, 8)
-    _swap_pass(t1, t0, 4)
-    _swap_pass(t0, t1, 2)
-    _swap_pass(t1, t0, 1)
 
 
 def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:

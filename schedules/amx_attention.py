@@ -18,9 +18,9 @@ import operator
 
 from tvm.script import tirx as T
 
-from .amx import DEPTH, TILE, dot, load, store, tile_config, transpose, zero
+from .amx import DEPTH, TILE, dot, load, store, tile_config, zero
 from .vector_math import softmax_exp
-from .written import bf16_bits, horizontal
+from .written import bf16_bits, horizontal, transpose
 
 ROWS = 2 * TILE  # query rows per block: two A tiles
 STEP = 2 * TILE  # positions per step of the scores: two B tiles (and one A tile's depth in the weighted sum)

@@ -12,8 +12,9 @@ place (w is [out, in], so a pair is one 32-bit word) and broadcast to every lane
 dot products) keeps its sums in registers; a task is a block of output columns that every tile of token rows
 passes over, one depth block at a time (so the block's weights and activations stay in L2). Between depth blocks
 the task keeps its sums in a buffer of its own, a column's token rows side by side as the registers hold them, and
-writes them to y once at the end: kept in y, each register's 16 token rows of one column were 16 scattered
-accesses at every block, which cost the kernel 1.6-4.2x on a Zen 5 (docs/performance.md).
+writes them to y once at the end, each 16 x 16 block transposed in registers: kept in y, each register's 16 token
+rows of one column were 16 scattered accesses at every block, which cost the kernel 1.6-4.2x on a Zen 5
+(docs/performance.md).
 
 TVM's LLVM backend stores bfloat16 as 16-bit integers and computes on it in float32, so no TVM expression has
 LLVM's `<32 x bfloat>` type that the intrinsic takes. The kernel calls a small LLVM IR function instead
@@ -26,7 +27,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .written import PAIR_ROWS, linear_func, pack_activation_pairs
+from .written import PAIR_ROWS, linear_func, pack_activation_pairs, transpose
 
 LANES = PAIR_ROWS  # float32 lanes of a zmm register (16): token rows per vector
 DEPTH_BLOCK_PAIRS = 512  # depth pairs per pass (1024 depth): a tile's activations and a task's weights stay in L2
@@ -50,18 +51,17 @@ define linkonce_odr <16 x float> @{DOT}(<16 x float> %acc, <16 x i32> %a, <16 x 
 
 def _tiles(m: int, n: int) -> tuple[int, int, int] | None:
     """(token vectors, weight rows) per register tile and columns per task, or None when m or n do not divide."""
-    if m % LANES or n % 2:
+    if m % LANES or n % LANES:
         return None
-    shapes = [(v, c) for v in (4, 2, 1) for c in (8, 4, 2) if (m // LANES) % v == 0 and n % c == 0
-              and v * c <= ACCUMULATORS]
+    shapes = [(v, c) for v in (4, 2, 1) for c in (8, 4, 2) if (m // LANES) % v == 0 and v * c <= ACCUMULATORS]
     vecs, cols = min(shapes, key=lambda vc: ((vc[0] + vc[1]) / (vc[0] * vc[1]), -vc[0]))  # fewest loads per dot
-    task = next((t for t in (64, 32, 16) if n % t == 0 and t % cols == 0 and n // t >= MIN_TASKS), cols)
+    task = next((t for t in (64, 32) if n % t == 0 and n // t >= MIN_TASKS), LANES)
     return vecs, cols, task
 
 
 def dpbf16_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.PrimFunc | None:
     """x @ w.T (+ bias) for float32 x and bfloat16 w as AVX512-BF16 dot products, or None when the shape does not
-    fit (token rows a multiple of 16, depth even). `dot_ir` defines the dot product (tests pass a plain-IR one
+    fit (token rows and outputs multiples of 16, depth even). `dot_ir` defines the dot product (tests pass a plain-IR one
     of the same arithmetic, to run the kernel on CPUs without the instruction)."""
     x_buf, w_buf = func.params[:2]
     m, k = (int(d) for d in x_buf.shape)
@@ -125,6 +125,8 @@ def dpbf16_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.PrimFunc
                 # the task's sums between depth blocks, a column's token rows side by side (as the registers hold
                 # them): whole vectors in and out, where y's layout would scatter 16 rows of one column
                 part = T.alloc_buffer((task_cols, m), "float32")
+                t0 = T.alloc_buffer((LANES, LANES), "float32")  # a block being transposed: in registers
+                t1 = T.alloc_buffer((LANES, LANES), "float32")
                 for kb, tv, ct in T.grid(pairs // block, m // LANES // vecs, task_cols // cols):
                     start(acc0, part, first, kb, task, tv, ct, 0)
                     start(acc1, part, first, kb, task, tv, ct, 1)
@@ -133,8 +135,11 @@ def dpbf16_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.PrimFunc
                         dots(acc1, xw, ww, tv, col(task, ct, 1), kb * block + d)
                     finish(acc0, part, tv, ct, 0)
                     finish(acc1, part, tv, ct, 1)
-                for r in range(m):
-                    for c in T.vectorized(task_cols):
-                        y[r, task * task_cols + c] = part[c, r]
+                for tr, tc in T.grid(m // LANES, task_cols // LANES):  # to y in 16 x 16 blocks turned in registers
+                    for c in T.unroll(LANES):
+                        t0[c, T.ramp(0, 1, LANES)] = part[tc * LANES + c, T.ramp(tr * LANES, 1, LANES)]
+                    transpose(t0, t1)
+                    for r in T.unroll(LANES):
+                        y[tr * LANES + r, T.ramp(task * task_cols + tc * LANES, 1, LANES)] = t0[r, T.ramp(0, 1, LANES)]
 
     return linear_func(func, products)

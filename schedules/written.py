@@ -99,3 +99,43 @@ def paired_weight(func: tirx.PrimFunc) -> bool:
     """Whether a packed `linear` kernel's qweight is in the pairs layout (ir.packing awq_int4_pairs): a row of words
     per pair of input rows."""
     return 2 * int(func.params[1].shape[1]) == int(func.params[0].shape[1])
+
+
+SQUARE = 16  # rows and columns of a block that `transpose` turns: one AVX-512 vector per row
+
+
+def _swapped(a, b, half: int, high: bool):
+    """Rows a and b of a tile (vectors) with the blocks of `half` columns off their diagonal swapped: row a's upper
+    halves replaced by b's lower ones (`high` False), or b's lower halves by a's upper ones (`high` True)."""
+    if high:
+        order = [k + half if k & half == 0 else SQUARE + k for k in range(SQUARE)]
+    else:
+        order = [k if k & half == 0 else SQUARE + k - half for k in range(SQUARE)]
+    return tirx.Shuffle([a, b], order)
+
+
+def _upper_row(p, half: int):
+    """The upper row of pair p of a swap pass: pairs are rows `half` apart, in runs of `half`."""
+    return p // half * 2 * half + p % half
+
+
+@T.macro
+def _swap_pass(src, dst, half):
+    """dst = src with the off-diagonal blocks of `half` columns of each pair of rows `half` apart swapped."""
+    for p in T.unroll(SQUARE // 2):
+        dst[_upper_row(p, half), T.ramp(0, 1, SQUARE)] = _swapped(src[_upper_row(p, half), T.ramp(0, 1, SQUARE)],
+                                                                src[_upper_row(p, half) + half, T.ramp(0, 1, SQUARE)],
+                                                                half, False)
+        dst[_upper_row(p, half) + half, T.ramp(0, 1, SQUARE)] = _swapped(
+            src[_upper_row(p, half), T.ramp(0, 1, SQUARE)], src[_upper_row(p, half) + half, T.ramp(0, 1, SQUARE)],
+            half, True)
+
+
+@T.macro
+def transpose(t0, t1):
+    """t0 (SQUARE x SQUARE float32, a vector per row) transposed in place, through t1: four passes of blocks of 8, 4, 2 and 1 columns (64
+    two-vector shuffles; read column by column, a tile took 256 scalar loads and 240 inserts)."""
+    _swap_pass(t0, t1, 8)
+    _swap_pass(t1, t0, 4)
+    _swap_pass(t0, t1, 2)
+    _swap_pass(t1, t0, 1)
