@@ -57,6 +57,29 @@ def store(tile, address, stride):
     T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilestored64", T.int8(tile), address, T.int64(stride)))
 
 
+@T.macro
+def two_by_two(a0, a1, a_stride, b0, b1, b_stride):
+    """Accumulator tiles 4..7 += A (tiles 0, 1 from addresses a0, a1: rows) @ B (tiles 2, 3 from b0, b1: columns),
+    one depth of 32; strides in bytes."""
+    load(0, a0, a_stride)
+    load(1, a1, a_stride)
+    load(2, b0, b_stride)
+    load(3, b1, b_stride)
+    dot(4, 0, 2)
+    dot(5, 0, 3)
+    dot(6, 1, 2)
+    dot(7, 1, 3)
+
+
+@T.macro
+def zero_accumulators():
+    """Accumulator tiles 4..7 set to zero."""
+    zero(4)
+    zero(5)
+    zero(6)
+    zero(7)
+
+
 def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     """x @ w.T (+ bias) for float32 x and bfloat16 w on AMX tiles, or None when the shape does not fit
     (token rows, depth and outputs must be multiples of 32)."""
@@ -78,19 +101,12 @@ def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
             t1 = T.alloc_buffer((TILE, TILE), "float32")
             tile_config(cfg)
             for rows in range(m // BLOCK):
-                zero(4)
-                zero(5)
-                zero(6)
-                zero(7)
-                for s in range(k // DEPTH):
-                    load(0, T.address_of(w[task * BLOCK, s * DEPTH]), k * 2)  # tiles 0, 1: weights
-                    load(1, T.address_of(w[task * BLOCK + TILE, s * DEPTH]), k * 2)
-                    load(2, T.address_of(xp[rows * 2, s * TILE, 0, 0]), 64)  # tiles 2, 3: activations
-                    load(3, T.address_of(xp[rows * 2 + 1, s * TILE, 0, 0]), 64)
-                    dot(4, 0, 2)
-                    dot(5, 0, 3)
-                    dot(6, 1, 2)
-                    dot(7, 1, 3)
+                zero_accumulators()
+                for s in range(k // DEPTH):  # A: two tiles of weight rows; B: two of activation rows
+                    two_by_two(T.address_of(w[task * BLOCK, s * DEPTH]),
+                               T.address_of(w[task * BLOCK + TILE, s * DEPTH]), k * 2,
+                               T.address_of(xp[rows * 2, s * TILE, 0, 0]),
+                               T.address_of(xp[rows * 2 + 1, s * TILE, 0, 0]), 64)
                 store(4, T.address_of(acc[0, 0, 0]), 64)
                 store(5, T.address_of(acc[1, 0, 0]), 64)
                 store(6, T.address_of(acc[2, 0, 0]), 64)
@@ -167,19 +183,12 @@ def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
             for r, c in T.grid(m, columns):
                 yacc[r, c] = T.float32(0)
             for half, rows, g in T.grid(PAIR_SLOTS // 2, m // BLOCK, groups):
-                zero(4)
-                zero(5)
-                zero(6)
-                zero(7)
-                for s in range(steps):
-                    load(0, T.address_of(xa[rows * BLOCK, (g * steps + s) * DEPTH]), k * 2)  # tiles 0, 1: x
-                    load(1, T.address_of(xa[rows * BLOCK + TILE, (g * steps + s) * DEPTH]), k * 2)
-                    load(2, T.address_of(bt[g * steps + s, 2 * half, 0, 0]), 64)  # tiles 2, 3: two nibbles
-                    load(3, T.address_of(bt[g * steps + s, 2 * half + 1, 0, 0]), 64)
-                    dot(4, 0, 2)
-                    dot(5, 0, 3)
-                    dot(6, 1, 2)
-                    dot(7, 1, 3)
+                zero_accumulators()
+                for s in range(steps):  # A: two tiles of x rows; B: two nibbles' columns
+                    two_by_two(T.address_of(xa[rows * BLOCK, (g * steps + s) * DEPTH]),
+                               T.address_of(xa[rows * BLOCK + TILE, (g * steps + s) * DEPTH]), k * 2,
+                               T.address_of(bt[g * steps + s, 2 * half, 0, 0]),
+                               T.address_of(bt[g * steps + s, 2 * half + 1, 0, 0]), 64)
                 store(4, T.address_of(acc[0, 0, 0, 0]), 64)
                 store(5, T.address_of(acc[0, 1, 0, 0]), 64)
                 store(6, T.address_of(acc[1, 0, 0, 0]), 64)

@@ -18,7 +18,7 @@ import operator
 
 from tvm.script import tirx as T
 
-from .amx import DEPTH, TILE, dot, load, store, tile_config, zero
+from .amx import DEPTH, TILE, store, tile_config, two_by_two, zero_accumulators
 from .vector_math import softmax_exp
 from .written import bf16_bits, horizontal, transpose
 
@@ -39,28 +39,6 @@ def fits(dim: int, block: int) -> bool:
 def _widened(bits):
     """The float32 of bfloat16 `bits`."""
     return T.reinterpret("float32", T.shift_left(T.Cast("uint32", bits), T.uint32(16)))
-
-
-@T.macro
-def _two_by_two(a0, a1, a_stride, b0, b1, b_stride):
-    """Accumulator tiles 4..7 += A (tiles 0, 1 from addresses a0, a1: rows) @ B (tiles 2, 3 from b0, b1: columns),
-    one depth of 32; strides in bytes."""
-    load(0, a0, a_stride)
-    load(1, a1, a_stride)
-    load(2, b0, b_stride)
-    load(3, b1, b_stride)
-    dot(4, 0, 2)
-    dot(5, 0, 3)
-    dot(6, 1, 2)
-    dot(7, 1, 3)
-
-
-@T.macro
-def _zero_accumulators():
-    zero(4)
-    zero(5)
-    zero(6)
-    zero(7)
 
 
 @T.macro
@@ -121,9 +99,9 @@ def amx_block_macro(shape):
                 for lane in T.vectorized(lanes):
                     qb[r, c * lanes + lane] = bf16_bits(q[r0 + r, (h0 + i) * dim + c * lanes + lane] * T.float32(scale))
             for step in range(_steps(seen)):
-                _zero_accumulators()
+                zero_accumulators()
                 for c in range(dim // DEPTH):
-                    _two_by_two(T.address_of(qb[0, c * DEPTH]), T.address_of(qb[TILE, c * DEPTH]), dim * 2,
+                    two_by_two(T.address_of(qb[0, c * DEPTH]), T.address_of(qb[TILE, c * DEPTH]), dim * 2,
                                 T.address_of(kt[2 * step, c * TILE, 0]), T.address_of(kt[2 * step + 1, c * TILE, 0]),
                                 TILE * 4)
                 _store_accumulators(s, step * STEP)
@@ -144,9 +122,9 @@ def amx_block_macro(shape):
                         sums[lane] = sums[lane] + _widened(pb[r, jv * lanes + lane])
                 total[r] = horizontal(sums[T.ramp(0, 1, lanes)], lanes, operator.add)
             for c in range(dim // STEP):  # a pass per 32 head dimensions: 2 x 2 tiles of [row, dimension]
-                _zero_accumulators()
+                zero_accumulators()
                 for step in range(_steps(seen)):
-                    _two_by_two(T.address_of(pb[0, step * STEP]), T.address_of(pb[TILE, step * STEP]), pitch * 2,
+                    two_by_two(T.address_of(pb[0, step * STEP]), T.address_of(pb[TILE, step * STEP]), pitch * 2,
                                 T.address_of(vp[step * TILE, c * STEP]), T.address_of(vp[step * TILE, c * STEP + TILE]),
                                 dim * 4)
                 _store_accumulators(o, c * STEP)
