@@ -102,8 +102,8 @@ def amx_block_macro(shape):
                 zero_accumulators()
                 for c in range(dim // DEPTH):
                     two_by_two(T.address_of(qb[0, c * DEPTH]), T.address_of(qb[TILE, c * DEPTH]), dim * 2,
-                                T.address_of(kt[2 * step, c * TILE, 0]), T.address_of(kt[2 * step + 1, c * TILE, 0]),
-                                TILE * 4)
+                               T.address_of(kt[2 * step, c * TILE, 0]), T.address_of(kt[2 * step + 1, c * TILE, 0]),
+                               TILE * 4)
                 _store_accumulators(s, step * STEP)
             for r in range(ROWS):  # the softmax of row r over its visible positions
                 for lane in T.vectorized(lanes):
@@ -125,8 +125,8 @@ def amx_block_macro(shape):
                 zero_accumulators()
                 for step in range(_steps(seen)):
                     two_by_two(T.address_of(pb[0, step * STEP]), T.address_of(pb[TILE, step * STEP]), pitch * 2,
-                                T.address_of(vp[step * TILE, c * STEP]), T.address_of(vp[step * TILE, c * STEP + TILE]),
-                                dim * 4)
+                               T.address_of(vp[step * TILE, c * STEP]), T.address_of(vp[step * TILE, c * STEP + TILE]),
+                               dim * 4)
                 _store_accumulators(o, c * STEP)
             for r, c in T.grid(ROWS, dim // lanes):
                 for lane in T.vectorized(lanes):

@@ -61,8 +61,8 @@ def _tiles(m: int, n: int) -> tuple[int, int, int] | None:
 
 def dpbf16_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.PrimFunc | None:
     """x @ w.T (+ bias) for float32 x and bfloat16 w as AVX512-BF16 dot products, or None when the shape does not
-    fit (token rows and outputs multiples of 16, depth even). `dot_ir` defines the dot product (tests pass a plain-IR one
-    of the same arithmetic, to run the kernel on CPUs without the instruction)."""
+    fit (token rows and outputs multiples of 16, depth even). `dot_ir` defines the dot product (tests pass a
+    plain-IR one of the same arithmetic, to run the kernel on CPUs without the instruction)."""
     x_buf, w_buf = func.params[:2]
     m, k = (int(d) for d in x_buf.shape)
     n = int(w_buf.shape[0])

@@ -205,7 +205,7 @@ def _row_macro(shape: _Shape):
             top[0] = horizontal(best[T.ramp(0, 1, lanes)], lanes, T.max)
             for j in range((last + lanes) // lanes):
                 for lane in T.vectorized(lanes):
-                    s[i, j * lanes + lane] = softmax_exp(s[i, j * lanes + lane] - top[0])  # masked: e^-87, nothing
+                    s[i, j * lanes + lane] = softmax_exp(s[i, j * lanes + lane] - top[0])  # masked: e^-87, lost
                     sums[lane] = sums[lane] + s[i, j * lanes + lane]
             total[i] = horizontal(sums[T.ramp(0, 1, lanes)], lanes, operator.add)
         for c0 in range(chunks // pass_vecs):

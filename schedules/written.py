@@ -133,8 +133,9 @@ def _swap_pass(src, dst, half):
 
 @T.macro
 def transpose(t0, t1):
-    """t0 (SQUARE x SQUARE float32, a vector per row) transposed in place, through t1: four passes of blocks of 8, 4, 2 and 1 columns (64
-    two-vector shuffles; read column by column, a tile took 256 scalar loads and 240 inserts)."""
+    """t0 (SQUARE x SQUARE float32, a vector per row) transposed in place, through t1: four passes of blocks of 8,
+    4, 2 and 1 columns (64 two-vector shuffles; read column by column, a tile took 256 scalar loads and 240
+    inserts)."""
     _swap_pass(t0, t1, 8)
     _swap_pass(t1, t0, 4)
     _swap_pass(t0, t1, 2)
