@@ -364,9 +364,27 @@ def _norm(sch: s_tir.Schedule, lanes: int) -> None:
     _parallel(sch, row, work)
     for producer in reversed(sch.get_producers(block)):  # the last first: LayerNorm's variance needs its mean
         if stages.is_reduction(sch, producer):  # the row's sums: per row, right before the row is scaled
-            sch.compute_at(producer, row)
+            _row_sums(sch, producer, row, lanes)
         else:  # add_rms_norm's residual sum: an output of its own, over all rows
             _spatial(sch, producer, lanes)
+
+
+def _row_sums(sch: s_tir.Schedule, sums, row, lanes: int) -> None:
+    """A norm's per-row (per-group) sums computed under `row`: as `lanes` partial sums in one vector, then added
+    up, where the group is whole vectors; one serial chain of scalar adds was 4 cycles an element (add_rms_norm
+    [1024, 896]: 1.79 -> 0.65 ms, Intel Xeon with AMX)."""
+    depth = sch.get_loops(sums)[-1]
+    if (static_extent(sch, depth) or 1) % lanes:
+        sch.compute_at(sums, row)
+        return
+    rank = len(sch.get(sums).writes[0].region)
+    partial = sch.rfactor(sch.split(depth, [None, lanes])[1], factor_axis=rank)  # the lanes last: one vector
+    sch.compute_at(sums, row)
+    sch.compute_at(partial, row, preserve_unit_loops=True)
+    lane, *rows, step = _by_iter(sch, partial)  # iters: lane, the row (and its group), depth step
+    sch.reorder(*rows, step, lane)
+    sch.vectorize(lane)
+    sch.decompose_reduction(partial, step)
 
 
 def _attention(sch: s_tir.Schedule, lanes: int) -> None:

@@ -205,6 +205,20 @@ def test_take_rows():
     close(run_kernel("take_rows", [x, index], {})[0], ref.take_rows(x, index))
 
 
+@pytest.mark.parametrize("kind,types,attrs", [
+    ("add_rms_norm", [TensorType((8, 896), "float32")] * 2 + [TensorType((896,), "bfloat16")], {"eps": 1e-6}),
+    ("rms_norm", [TensorType((8, 1024), "float32"), TensorType((256,), "bfloat16")],
+     {"eps": 1e-6, "group": 256, "weight_offset": 1.0}),
+    ("layer_norm", [TensorType((8, 64), "float32")] + [TensorType((64,), "float32")] * 2, {"eps": 1e-6}),
+])
+def test_norm_row_sums_run_as_vector_partial_sums(kind, types, attrs):
+    """A norm's per-row (per-group) sums are `lanes` partial sums in one vector, added up after the row: not one
+    serial chain of scalar adds (LayerNorm's mean and variance both)."""
+    script = cpu.schedule(make_kernel(kind, types, attrs).func, kind, attrs, TARGET).script()
+    partials = re.findall(rf'T\.vectorized\({TARGET.lanes}\):\s+with T\.sblock\("\w+_rf_update"\)', script)
+    assert len(partials) == (2 if kind == "layer_norm" else 1)
+
+
 @pytest.mark.parametrize("group,offset", [(16, 1.0), (48, 0.0), (8, 0.5)])
 def test_rms_norm_per_group_with_weight_offset(group, offset):
     x, w = rand(5, 48), rand(group, dtype="bfloat16", scale=0.1)
