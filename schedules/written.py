@@ -123,9 +123,9 @@ def _upper_row(p, half: int):
 def _swap_pass(src, dst, half):
     """dst = src with the off-diagonal blocks of `half` columns of each pair of rows `half` apart swapped."""
     for p in T.unroll(SQUARE // 2):
-        dst[_upper_row(p, half), T.ramp(0, 1, SQUARE)] = _swapped(src[_upper_row(p, half), T.ramp(0, 1, SQUARE)],
-                                                                src[_upper_row(p, half) + half, T.ramp(0, 1, SQUARE)],
-                                                                half, False)
+        dst[_upper_row(p, half), T.ramp(0, 1, SQUARE)] = _swapped(
+            src[_upper_row(p, half), T.ramp(0, 1, SQUARE)], src[_upper_row(p, half) + half, T.ramp(0, 1, SQUARE)],
+            half, False)
         dst[_upper_row(p, half) + half, T.ramp(0, 1, SQUARE)] = _swapped(
             src[_upper_row(p, half), T.ramp(0, 1, SQUARE)], src[_upper_row(p, half) + half, T.ramp(0, 1, SQUARE)],
             half, True)

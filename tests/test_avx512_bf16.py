@@ -119,8 +119,8 @@ def test_the_instruction_computes_what_the_portable_dot_does(rows, depth, cols):
 
 
 def test_shapes_that_do_not_fit_keep_float32_products():
-    for rows, depth, cols, dtype in [(24, 64, 64, "bfloat16"), (32, 63, 64, "bfloat16"), (32, 64, 63, "bfloat16"), (32, 64, 40, "bfloat16"),
-                                     (32, 64, 64, "float16"), (32, 64, 64, "float32")]:
+    for rows, depth, cols, dtype in [(24, 64, 64, "bfloat16"), (32, 63, 64, "bfloat16"), (32, 64, 63, "bfloat16"),
+                                     (32, 64, 40, "bfloat16"), (32, 64, 64, "float16"), (32, 64, 64, "float32")]:
         types = [TensorType((rows, depth), "float32"), TensorType((cols, depth), dtype)]
         assert dpbf16_gemm(make_kernel("linear", types, {}).func) is None
 
