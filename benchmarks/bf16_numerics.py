@@ -1,16 +1,18 @@
 """What bfloat16 prefill products cost in accuracy: logits of a prompt with the activations rounded to bfloat16 before
 every matrix product (the numerics of `--matmul-precision bfloat16`, on AMX tiles or AVX512-BF16 dot products:
 bfloat16 x bfloat16 products are exact in float32, sums stay float32), the same with attention's operands rounded
-too (what the build runs on AMX, where prompt chunks' attention products run on tiles), and of transformers
-computing in bfloat16, each against transformers in float32 on the same bfloat16 weights.
+too (`bf16_attention`: what the build runs on AMX tiles and on AMD Zen 4/5's dot products, where prompt chunks'
+attention products run in bfloat16), and of transformers computing in bfloat16, each against transformers in
+float32 on the same bfloat16 weights.
 
     python -m benchmarks.bf16_numerics --shape qwen2.5-0.5b,tinyllama-1.1b --work DIR [--tokens 128]
 
 The rounded-activation model is transformers in float32 with a hook that rounds each nn.Linear input to bfloat16,
-and for AMX also an attention function (transformers' AttentionInterface) that rounds q, keys, probabilities and
-values: an independent model of our kernels' arithmetic (their summation order aside), so it runs on any CPU. Reports,
-over every prompt position, the largest |logit error| relative to the largest |logit|, and the share of positions
-whose argmax (the greedy token) matches float32's. Random weights (benchmarks/checkpoints.py) and random token ids.
+and for the rounded attention also an attention function (transformers' AttentionInterface) that rounds q, keys,
+probabilities and values: an independent model of our kernels' arithmetic (their summation order aside), so it runs
+on any CPU. Reports, over every prompt position, the largest |logit error| relative to the largest |logit|, and the
+share of positions whose argmax (the greedy token) matches float32's. Random weights (benchmarks/checkpoints.py) and
+random token ids.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def measure(shape: str, args) -> dict:
             hook.remove()
         bf16 = hf.to(torch.bfloat16)(ids).logits[0].float().numpy()
     return {"shape": shape, "tokens": args.tokens, "bf16_products": compare(rounded, reference),
-            "amx": compare(attention, reference), "transformers_bf16": compare(bf16, reference)}
+            "bf16_attention": compare(attention, reference), "transformers_bf16": compare(bf16, reference)}
 
 
 def _bf16(x):
@@ -63,8 +65,9 @@ def _bf16(x):
 
 
 def _rounded_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """transformers' attention interface with our AMX kernel's arithmetic: q (scaled), keys, probabilities and
-    values rounded to bfloat16, float32 scores and sums, each row divided by the sum of its rounded probabilities."""
+    """transformers' attention interface with our bfloat16 attention kernels' arithmetic: q (scaled), keys,
+    probabilities and values rounded to bfloat16, float32 scores and sums, each row divided by the sum of its rounded
+    probabilities."""
     groups = query.shape[1] // key.shape[1]
     keys, values = (_bf16(t).repeat_interleave(groups, dim=1) for t in (key, value))
     scores = _bf16(query * scaling) @ keys.transpose(2, 3)

@@ -15,13 +15,15 @@ def cpu_name() -> str:
 
 
 def cpu_description() -> str:
-    """The CPU's model name, LLVM's name for it, its float32 SIMD lanes and the paths of bfloat16 products and of
-    AWQ decode products (16-bit integer pairs, schedules.cpu_awq) on it."""
+    """The CPU's model name, LLVM's name for it, its float32 SIMD lanes and the paths of bfloat16 products, of
+    prompt chunks' attention products in a bfloat16 build and of AWQ decode products (16-bit integer pairs,
+    schedules.cpu_awq) on it."""
     from compiler.target import BF16_PATH_NAMES, cpu_target
     from schedules.cpu_awq import pair_dot
 
     target = cpu_target(None, "auto")
     path = BF16_PATH_NAMES.get(target.bf16_path, "none (float32 products only)")
+    attention = BF16_PATH_NAMES.get(target.for_weights("bfloat16").bf16_attention, "float32")
     pairs = pair_dot(target.lanes, "avx512vnni" in target.features)
     return (f"{cpu_name()} (LLVM mcpu {target.mcpu}, {target.lanes} float32 lanes, bfloat16 products: {path}, "
-            f"AWQ decode products: {pairs})")
+            f"attention in a bfloat16 build: {attention}, AWQ decode products: {pairs})")

@@ -2,6 +2,7 @@
 
     python -m benchmarks.profile_kernels --shape qwen2.5-0.5b --dtype bfloat16 --tokens 1 --work DIR
     python -m benchmarks.profile_kernels --model-dir MODEL_DIR --tokens 64
+    python -m benchmarks.profile_kernels --tokens 128 --matmul-precision bfloat16 --mcpu cooperlake --work DIR
 
 Kernels run alone, repeatedly, on random inputs: small weight matrices stay in cache, so these
 times are a lower bound; `benchmarks.cpu_generate` gives the end-to-end figure.
@@ -52,11 +53,13 @@ def main() -> None:
     parser.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="float32",
                         help="as `python -m compiler build` takes it (bfloat16: prefill products on AMX tiles or "
                              "AVX512-BF16 dot products)")
+    parser.add_argument("--mcpu", help="build for this LLVM CPU (default: this machine's), e.g. cooperlake on an AMX "
+                                       "Xeon to time the AVX512-BF16 path")
     args = parser.parse_args()
     if (args.work is None) == (args.model_dir is None):
         parser.error("give --work (with --shape) or --model-dir")
     use_all_cores()
-    target = cpu_target(matmul_precision=args.matmul_precision).for_weights(args.dtype)
+    target = cpu_target(args.mcpu, args.matmul_precision).for_weights(args.dtype)
     if target.bf16_products == "amx":
         enable_amx()
     model_dir = args.model_dir or real_shape_checkpoint(args.work, args.shape, args.dtype)

@@ -24,6 +24,10 @@ class TargetError(RudaError):
 
 BF16_PATHS = {"amx": AMX_FEATURES, "avx512bf16": ("avx512bf16", "avx512f")}  # in order of preference
 BF16_PATH_NAMES = {"amx": "AMX tiles", "avx512bf16": "AVX512-BF16 dot products"}
+# CPUs that issue `vdpbf16ps` as fast as their float32 FMAs (AMD Zen 4 and 5, the only Zen with AVX512-BF16), so that
+# a dot product of pairs does two FMAs' work: prompt chunks' attention runs its products on it there. An Intel Xeon
+# with AMX issues it at a quarter of its FMA rate (docs/performance.md): there float32 attention is faster.
+EQUAL_RATE_BF16_DOT_CPUS = ("znver",)
 # Qwen3.5-0.8B decode, Intel Xeon with AMX, alternating: the delta rule's time in a step 2.0-2.1 ms with one vector
 # (a state row read as one 64-byte line in eight), 1.5 with four, 1.7-2.2 with eight; prefill 1.04-1.07x faster
 SCAN_VECTORS = 4
@@ -44,6 +48,14 @@ class CpuTarget:
     def bf16_products(self) -> str | None:
         """Where prefill products of bfloat16 weights run in bfloat16 (amx, avx512bf16), or None: float32."""
         return self.bf16_path if self.matmul_precision == "bfloat16" else None
+
+    @property
+    def bf16_attention(self) -> str | None:
+        """Where prompt chunks' attention products run in bfloat16 (amx, avx512bf16), or None: float32. Dot products
+        only where the CPU issues them at its FMA rate."""
+        if self.bf16_products == "avx512bf16" and not self.mcpu.startswith(EQUAL_RATE_BF16_DOT_CPUS):
+            return None
+        return self.bf16_products
 
     @property
     def lanes(self) -> int:

@@ -465,7 +465,7 @@ def _written(func: tirx.PrimFunc, kind: str, target, attrs: dict | None) -> tirx
         gemm = BF16_GEMMS[bf16_products](func) if bf16_products and rows > GEMV_MAX_ROWS else None
         return gemm if gemm is not None else _rows_gemv(func, lanes)
     if kind == "paged_attention" and attrs is not None:
-        return paged_attention(func, attrs, lanes, amx=bf16_products == "amx")
+        return paged_attention(func, attrs, lanes, target.bf16_attention)
     if kind == "batch_gated_delta_rule" and attrs is not None:
         return delta_rule(func, attrs, lanes, target.scan_lanes)
     if kind == "batch_causal_conv1d":

@@ -24,8 +24,8 @@ import operator
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .amx_attention import amx_block_macro
-from .amx_attention import fits as amx_fits
+from . import amx_attention, avx512_bf16_attention
+from .block_steps import POSITIONS, block_steps
 from .vector_math import softmax_exp
 from .written import FLOATS_PER_LINE, horizontal, prefetch
 
@@ -33,7 +33,6 @@ from .written import FLOATS_PER_LINE, horizontal, prefetch
 # every use stores and reloads.
 # Accumulator tiles are plain (global-scope) buffers under 1 KiB: TVM puts those on the stack, where LLVM keeps them
 # in registers; larger ones, and any in "local" scope, become heap workspace that every FMA reads and writes.
-POSITIONS = 7  # positions scored per step, each with its own accumulators (7 x 2 row vectors)
 WEIGHTED_POSITIONS = 32  # positions whose values a block's rows sum in one pass: the values stay in L1
 ROW_POSITIONS = 8  # positions a single row scores per step at most, each with its own accumulators
 AHEAD = 16  # positions ahead whose keys (values) a single row asks for while it scores (sums) one
@@ -72,7 +71,7 @@ def _block_macro(shape: _Shape):
     seen - 1)]; `base(j)` is the flat offset of position j's key/value row."""
     lanes, vecs, block, dim, span = shape.lanes, shape.vecs, shape.block, shape.dim, shape.span
     out_rows, out_vecs = shape.out_rows, shape.out_vecs
-    scale = shape.scale
+    scale, do = shape.scale, block_steps(shape)
 
     @T.macro
     def rows_block(q, out, keys, values, h, kv, r0, first, seen, base):
@@ -93,21 +92,13 @@ def _block_macro(shape: _Shape):
         for step in range(steps(seen)):
             for p in T.unroll(POSITIONS):  # positions past the last seen one read it again; the mask drops them
                 offsets[p] = base(T.min(step * POSITIONS + p, seen - 1)) + kv
-            for p in T.unroll(POSITIONS):  # every loop that indexes an accumulator tile is unrolled
-                for v in T.unroll(vecs):
-                    for lane in T.vectorized(lanes):
-                        acc[p, v, lane] = T.float32(0)
+            do.zero_scores(acc)
             for d in range(dim):
                 for p in T.unroll(POSITIONS):
                     for v in T.unroll(vecs):
                         for lane in T.vectorized(lanes):
                             acc[p, v, lane] = acc[p, v, lane] + qt[d, v * lanes + lane] * keys[offsets[p] + d]
-            for p in T.unroll(POSITIONS):
-                for v in T.unroll(vecs):
-                    for lane in T.vectorized(lanes):
-                        s[step * POSITIONS + p, v * lanes + lane] = acc[p, v, lane]
-                        top[v, lane] = T.max(top[v, lane], T.Select(step * POSITIONS + p <= T.min(
-                            first + v * lanes + lane, seen - 1), acc[p, v, lane], T.min_value("float32")))
+            do.keep_scores(acc, s, top, step, first)
         for v in T.unroll(vecs):
             for lane in T.vectorized(lanes):
                 total[v, lane] = T.float32(0)
@@ -124,10 +115,7 @@ def _block_macro(shape: _Shape):
                 for j in range(WEIGHTED_POSITIONS):
                     rows_at[j] = base(T.min(jb * WEIGHTED_POSITIONS + j, seen - 1)) + kv + c0 * out_vecs * lanes
                 for r2 in range(block // out_rows):
-                    for r in T.unroll(out_rows):
-                        for c in T.unroll(out_vecs):
-                            for lane in T.vectorized(lanes):
-                                out_acc[r, c, lane] = o[r2 * out_rows + r, c, lane]
+                    do.load_sums(out_acc, o, r2)
                     for j in range(T.min(seen - jb * WEIGHTED_POSITIONS, WEIGHTED_POSITIONS)):  # written rows only:
                         for r in T.unroll(out_rows):  # unwritten ones may hold NaN
                             for c in T.unroll(out_vecs):
@@ -135,14 +123,8 @@ def _block_macro(shape: _Shape):
                                     out_acc[r, c, lane] = out_acc[r, c, lane] + s[
                                         jb * WEIGHTED_POSITIONS + j, r2 * out_rows + r] * values[
                                         rows_at[j] + c * lanes + lane]
-                    for r in T.unroll(out_rows):
-                        for c in T.unroll(out_vecs):
-                            for lane in T.vectorized(lanes):
-                                o[r2 * out_rows + r, c, lane] = out_acc[r, c, lane]
-            for r, c in T.grid(block, out_vecs):
-                for lane in T.vectorized(lanes):
-                    out[r0 + r, h * dim + (c0 * out_vecs + c) * lanes + lane] = o[r, c, lane] / total[
-                        r // lanes, r % lanes]
+                    do.keep_sums(out_acc, o, r2)
+            do.divide(out, o, total, r0, h, c0)
 
     return rows_block
 
@@ -233,11 +215,22 @@ def _row_macro(shape: _Shape):
     return rows
 
 
-def paged_attention(func: tirx.PrimFunc, attrs: dict, lanes: int, amx: bool = False) -> tirx.PrimFunc | None:
+def _bf16_block_macro(shape: _Shape, bf16_products: str | None):
+    """The macro of a block's heads with bfloat16 products on the path `bf16_products` names (AMX tiles or AVX512-BF16
+    dot products) where the block fits it, else None."""
+    if bf16_products == "amx" and amx_attention.fits(shape.dim, shape.block):
+        return amx_attention.amx_block_macro(shape)
+    if bf16_products == "avx512bf16" and avx512_bf16_attention.fits(shape.dim, shape.lanes):
+        return avx512_bf16_attention.dpbf16_block_macro(shape)
+    return None
+
+
+def paged_attention(func: tirx.PrimFunc, attrs: dict, lanes: int,
+                    bf16_products: str | None = None) -> tirx.PrimFunc | None:
     """The `paged_attention` op's kernel: each block of rows that is a run of consecutive positions of one
-    sequence (a prefill chunk) as a block (its products on AMX tiles in bfloat16 with `amx`, where the block fits
-    them: `schedules.amx_attention`), every other row (decodes, padding, a chunk's ragged end) on its own; or None
-    when head_dim is not whole SIMD vectors."""
+    sequence (a prefill chunk) as a block (its products in bfloat16 on the path `bf16_products` names, where the
+    block fits it: `schedules.amx_attention`, `schedules.avx512_bf16_attention`), every other row (decodes,
+    padding, a chunk's ragged end) on its own; or None when head_dim is not whole SIMD vectors."""
     q_buf, k_buf, _, table_buf = func.params[:4]
     pages, page_size, kv_width = (int(d) for d in k_buf.shape)
     seqs, width = (int(d) for d in table_buf.shape)
@@ -248,7 +241,6 @@ def paged_attention(func: tirx.PrimFunc, attrs: dict, lanes: int, amx: bool = Fa
     block = shape.block if shape.blocked else rows
     blocks = rows // block
     rows_block, heads_row = _block_macro(shape), _row_macro(shape)
-    on_tiles = amx and amx_fits(dim, block)
     page_floats = page_size * kv_width
 
     def slot_base(table, seq):
@@ -266,7 +258,7 @@ def paged_attention(func: tirx.PrimFunc, attrs: dict, lanes: int, amx: bool = Fa
         for i in range(head_block):
             rows_block(q, out, keys, values, h0 + i, kv, r0, first, seen, base)
 
-    block_heads = amx_block_macro(shape) if on_tiles else float_heads
+    block_heads = _bf16_block_macro(shape, bf16_products) or float_heads
 
     @T.macro
     def chunk_or_rows(q, out, keys, values, table, row_of, pos_of, h0, t0):

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tvm
-import numpy_reference as ref
+from bf16_cases import assert_bf16_prefill_tracks, assert_chunk_rounded_and_rows_float32, chunk_after_history
 from numpy_reference import dequantise
 
 from compiler.build import build
@@ -49,25 +49,6 @@ def run_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> tuple[n
     """The linear kernel of a bfloat16 build on these arrays; (output, its assembly)."""
     inputs = [x, w] + ([bias] if bias is not None else [])
     return run_bf16_kernel("linear", inputs, {}, (x.shape[0], w.shape[0]))
-
-
-def assert_bf16_prefill_tracks(ours: CompiledModel, hf, prompt: list[int]) -> None:
-    """Prefill logits off transformers' float32 ones by the activations' bfloat16 rounding and no more (so the
-    bfloat16 products ran), the same greedy token, and the float32 decode step after it agreeing too."""
-    import torch
-
-    cache = ours.new_cache(len(prompt) + 8)
-    got = ours.forward(prompt, cache)
-    with torch.no_grad():
-        out = hf(torch.tensor([prompt]), use_cache=True)
-    want = out.logits[0, -1].numpy()
-    error = np.abs(got - want).max() / np.abs(want).max()
-    assert 1e-4 < error < 2e-2
-    token = int(np.argmax(want))
-    assert int(np.argmax(got)) == token
-    with torch.no_grad():
-        want = hf(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True).logits[0, -1].numpy()
-    assert int(np.argmax(ours.forward([token], cache))) == int(np.argmax(want))
 
 
 @needs_amx
@@ -138,54 +119,15 @@ def test_shapes_that_do_not_fill_the_tiles_keep_float32_products():
         assert amx_gemm(kernel.func) is None
 
 
-def rounded_attention(q, k_pages, v_pages, table, row_of, pos_of, num_heads, num_kv_heads, head_dim, scale):
-    """Paged attention with q (scaled), keys, probabilities and values rounded to bfloat16, each row divided by the
-    sum of its rounded probabilities: what the AMX kernel computes, in float64."""
-    def bf16(x):
-        return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
-
-    page, group, out = k_pages.shape[1], num_heads // num_kv_heads, np.zeros_like(q)
-    for t in range(q.shape[0]):
-        slots = [(table[row_of[t], j // page], j % page) for j in range(pos_of[t] + 1)]
-        for h in range(num_heads):
-            columns = slice(h // group * head_dim, (h // group + 1) * head_dim)
-            keys = bf16(np.stack([k_pages[p, s, columns] for p, s in slots]))
-            values = bf16(np.stack([v_pages[p, s, columns] for p, s in slots]))
-            scores = keys @ bf16(q[t, h * head_dim:(h + 1) * head_dim] * np.float32(scale))
-            weights = bf16(np.exp(scores - scores.max()))
-            out[t, h * head_dim:(h + 1) * head_dim] = weights @ values / weights.sum()
-    return out
-
-
 @needs_amx
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (14, 2, 64), (2, 1, 256), (4, 4, 128)])
 def test_amx_prefill_attention_matches_numpy_on_rounded_operands(heads, kv_heads, head_dim):
-    """Two 32-row blocks of a prefill chunk deep in a sequence (positions 45..108, scattered pages, NaN in the slots
-    after it) on AMX tiles, against numpy with the operands rounded to bfloat16; a third block of decode rows of
-    other sequences and padding stays float32."""
-    page, first, chunk = 16, 45, 64
-    pages, table = RNG.permutation(12).astype(np.int32), np.full((3, 8), -1, dtype=np.int32)
-    table[0], table[1, :2], table[2, 0] = pages[:8], pages[8:10], pages[10]  # in no order
-    k_pages = (RNG.standard_normal((12, page, kv_heads * head_dim)) * 2).astype(np.float32)
-    v_pages = RNG.standard_normal((12, page, kv_heads * head_dim)).astype(np.float32)
-    row_of, pos_of = np.zeros(96, dtype=np.int32), np.zeros(96, dtype=np.int32)
-    pos_of[:chunk] = np.arange(first, first + chunk)
-    row_of[chunk:chunk + 2], pos_of[chunk:chunk + 2] = [1, 2], [20, 9]  # decode rows; then padding
-    for seq, last in ((0, first + chunk - 1), (1, 20), (2, 9)):
-        for p in range(last + 1, 8 * page):
-            if table[seq, p // page] >= 0:
-                k_pages[table[seq, p // page], p % page] = v_pages[table[seq, p // page], p % page] = np.nan
-    q = RNG.standard_normal((96, heads * head_dim)).astype(np.float32)
-    attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "scale": head_dim ** -0.5}
-    inputs = [q, k_pages, v_pages, table, row_of, pos_of]
-    got, asm = run_bf16_kernel("paged_attention", inputs, attrs, q.shape)
+    """Two 32-row blocks of a prefill chunk deep in a sequence on AMX tiles, against numpy with the operands rounded
+    to bfloat16; a third block of decode rows of other sequences and padding stays float32."""
+    inputs, attrs, chunk = chunk_after_history(RNG, heads, kv_heads, head_dim)
+    got, asm = run_bf16_kernel("paged_attention", inputs, attrs, inputs[0].shape)
     assert "tdpbf16ps" in asm
-    rounded = rounded_attention(*inputs, **attrs)
-    exact = ref.paged_attention(*inputs, **attrs)
-    top = float(np.abs(exact).max())
-    np.testing.assert_allclose(got[:chunk], rounded[:chunk], rtol=0, atol=1e-4 * top)
-    assert np.abs(got[:chunk] - exact[:chunk]).max() > 1e-3 * top  # the chunk's operands really were rounded
-    np.testing.assert_allclose(got[chunk:], exact[chunk:], rtol=0, atol=1e-5 * top)  # single rows: float32
+    assert_chunk_rounded_and_rows_float32(got, inputs, attrs, chunk)
 
 
 def test_attention_blocks_that_do_not_fill_the_tiles_keep_float32_products():
@@ -196,7 +138,7 @@ def test_attention_blocks_that_do_not_fill_the_tiles_keep_float32_products():
         types = [TensorType((rows, 4 * head_dim), "float32"), cache, cache, TensorType((1, 4), "int32"),
                  TensorType((rows,), "int32"), TensorType((rows,), "int32")]
         attrs = {"num_heads": 4, "num_kv_heads": 2, "head_dim": head_dim, "scale": head_dim ** -0.5}
-        written = paged_attention(make_kernel("paged_attention", types, attrs).func, attrs, 16, amx=True)
+        written = paged_attention(make_kernel("paged_attention", types, attrs).func, attrs, 16, "amx")
         assert "tdpbf16ps" not in written.script()
 
 

@@ -1,5 +1,6 @@
-"""bfloat16 prefill products as AVX512-BF16 dot products (`--matmul-precision bfloat16` on CPUs without AMX), the
-choice between the two bfloat16 paths, `--matmul-precision auto`, and their errors.
+"""bfloat16 prefill products as AVX512-BF16 dot products (`--matmul-precision bfloat16` on CPUs without AMX), and
+prompt chunks' attention products on them where the CPU issues them at its FMA rate, the choice between the two
+bfloat16 paths, `--matmul-precision auto`, and their errors.
 
 The kernel runs here on any x86 CPU with `PORTABLE_DOT`: the instruction's arithmetic (each lane adds its odd
 pair's product, then its even pair's, in float32; bfloat16 products are exact in float32) in plain LLVM IR, so
@@ -15,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tvm
+from bf16_cases import assert_bf16_prefill_tracks, assert_chunk_rounded_and_rows_float32, chunk_after_history
 
 from compiler.build import BuildError, build, make_target
 from compiler.kernels import make_kernel
@@ -26,6 +28,7 @@ from models.tiny import write_tiny_checkpoint
 from runtime import CompiledModel
 from schedules import cpu
 from schedules.avx512_bf16 import DOT, dpbf16_gemm
+from schedules.cpu_attention import paged_attention
 
 HAS_AVX512_BF16 = {"avx512f", "avx512_bf16"} <= host_cpu_flags()
 needs_avx512_bf16 = pytest.mark.skipif(not HAS_AVX512_BF16, reason="this CPU has no AVX512-BF16 dot products")
@@ -118,6 +121,55 @@ def test_the_instruction_computes_what_the_portable_dot_does(rows, depth, cols):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * float(np.abs(want).max()))
 
 
+def run_attention(inputs: list[np.ndarray], attrs: dict, monkeypatch, dot_ir: str | None) -> tuple[np.ndarray, str]:
+    """The paged-attention kernel with its prompt chunks' products as dot products (`dot_ir`: the portable one;
+    None: the instruction), compiled for this host and run on `inputs`; (its output, its assembly)."""
+    if dot_ir is not None:
+        monkeypatch.setattr("schedules.avx512_bf16_attention.DPBF16PS_IR", dot_ir)
+    kernel = make_kernel("paged_attention", [TensorType(a.shape, str(a.dtype)) for a in inputs], attrs)
+    lib = tvm.compile(paged_attention(kernel.func, attrs, 16, "avx512bf16").with_attr("tirx.noalias", True), HOST)
+    out = tvm.runtime.empty(inputs[0].shape, "float32", tvm.cpu())
+    lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)
+    return out.numpy(), lib.mod.inspect_source("asm")
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (14, 2, 64), (2, 1, 256), (4, 4, 128), (6, 2, 48)])
+def test_attention_on_dot_products_matches_numpy_on_rounded_operands(heads, kv_heads, head_dim, monkeypatch):
+    """Two 32-row blocks of a prompt chunk deep in a sequence (an odd number of positions seen by its first
+    rows, 48 = three vectors of head dimensions) as dot products of pairs, against numpy with q, keys,
+    probabilities and values rounded to bfloat16; decode rows of other sequences and padding stay float32."""
+    inputs, attrs, chunk = chunk_after_history(RNG, heads, kv_heads, head_dim)
+    got, _ = run_attention(inputs, attrs, monkeypatch, PORTABLE_DOT)
+    assert_chunk_rounded_and_rows_float32(got, inputs, attrs, chunk)
+
+
+@needs_avx512_bf16
+def test_attention_on_the_instruction_matches_numpy_on_rounded_operands(monkeypatch):
+    inputs, attrs, chunk = chunk_after_history(RNG, 14, 2, 64)
+    got, asm = run_attention(inputs, attrs, monkeypatch, None)
+    assert asm.count("vdpbf16ps") >= 14 + 16  # both products' register tiles, unrolled
+    assert_chunk_rounded_and_rows_float32(got, inputs, attrs, chunk)
+
+
+def test_attention_runs_on_dot_products_only_where_they_issue_at_the_fma_rate():
+    """AMD Zen 4 and 5 issue vdpbf16ps as fast as their FMAs: their bfloat16 builds' attention runs on it. Intel's
+    issue it slower (Cooper Lake; a Xeon with AMX, where tiles take the attention anyway): float32 attention."""
+    assert cpu_target("znver5", "bfloat16").bf16_attention == "avx512bf16"
+    assert cpu_target("znver4", "auto").for_weights("bfloat16").bf16_attention == "avx512bf16"
+    assert cpu_target("cooperlake", "bfloat16").bf16_attention is None
+    assert cpu_target("sapphirerapids", "bfloat16").bf16_attention == "amx"
+    assert cpu_target("znver5", "float32").bf16_attention is None
+    types = [TensorType((64, 4 * 64), "float32"), TensorType((4, 16, 128), "float32"),
+             TensorType((4, 16, 128), "float32"), TensorType((1, 4), "int32"), TensorType((64,), "int32"),
+             TensorType((64,), "int32")]
+    attrs = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 64, "scale": 0.125}
+    for mcpu, dots in [("znver5", True), ("cooperlake", False)]:
+        target = cpu_target(mcpu, "bfloat16")
+        kernel = cpu.schedule(make_kernel("paged_attention", types, attrs).func, "paged_attention", attrs, target)
+        asm = tvm.compile(kernel, target.tvm_target()).mod.inspect_source("asm")
+        assert ("vdpbf16ps" in asm) == dots
+
+
 def test_shapes_that_do_not_fit_keep_float32_products():
     for rows, depth, cols, dtype in [(24, 64, 64, "bfloat16"), (32, 63, 64, "bfloat16"), (32, 64, 63, "bfloat16"),
                                      (32, 64, 40, "bfloat16"), (32, 64, 64, "float16"), (32, 64, 64, "float32")]:
@@ -185,25 +237,21 @@ def test_whole_model_build_records_the_path_and_a_host_without_it_is_told_to_reb
 
 
 @needs_avx512_bf16
-def test_whole_model_with_dot_product_prefill_tracks_transformers(tmp_path):
+def test_whole_model_with_dot_product_prefill_and_attention_tracks_transformers(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    model_dir = write_tiny_checkpoint(tmp_path / "model", arch="qwen2", dtype="bfloat16", seed=4)
+    model_dir = write_tiny_checkpoint(tmp_path / "model", arch="qwen2", dtype="bfloat16", seed=4, head_dim=32)
     target = cpu_target(None, "bfloat16")
-    # An AMX host builds for Cooper Lake (AVX512-BF16, no AMX; all its features are an AMX Xeon's too) to get this path.
-    mcpu = target.mcpu if target.bf16_products == "avx512bf16" else "cooperlake"
+    # Another host builds for Zen 4 (AVX512-BF16 dot products for the products and attention, no AMX; of the
+    # features an artifact checks, an AMX Xeon has all of Zen 4's).
+    mcpu = target.mcpu if target.bf16_attention == "avx512bf16" else "znver4"
     artifact = build(model_dir, out=tmp_path / "dot", prefill_buckets=(32,), max_context=64, mcpu=mcpu,
                      matmul_precision="bfloat16", quiet=True).path
     assert ours_path(artifact) == "avx512bf16"
     ours = CompiledModel(model_dir, artifact)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompt = [int(t) for t in RNG.integers(0, ours.config.vocab_size, 24)]
-    got = ours.forward(prompt, ours.new_cache(32))
-    with torch.no_grad():
-        want = hf(torch.tensor([prompt])).logits[0, -1].numpy()
-    error = np.abs(got - want).max() / np.abs(want).max()
-    assert 1e-4 < error < 2e-2  # bfloat16 activations in the products: off float32 by their rounding, no more
-    assert int(np.argmax(got)) == int(np.argmax(want))
+    # 40 tokens: a 32-row chunk whose attention runs on dot products too (head_dim 32), then 8 rows and padding
+    assert_bf16_prefill_tracks(ours, hf, [int(t) for t in RNG.integers(0, ours.config.vocab_size, 40)])
 
 
 SAPPHIRE_RAPIDS_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",

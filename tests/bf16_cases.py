@@ -1,0 +1,82 @@
+"""What the tests of the two bfloat16 paths (AMX tiles, AVX512-BF16 dot products) share: a paged-attention case (a
+prompt chunk after a history, with decode rows and padding beside it) checked against numpy with the operands
+rounded, and a whole model's prefill checked against transformers."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import numpy_reference as ref
+
+from runtime import CompiledModel
+
+PAGE, FIRST, CHUNK = 16, 45, 64
+
+
+def chunk_after_history(rng, heads: int, kv_heads: int, head_dim: int) -> tuple[list[np.ndarray], dict, int]:
+    """(inputs, attrs, chunk): 96 rows, the first `chunk` a prefill chunk deep in sequence 0 (positions 45..108, two
+    32-row blocks), then a decode row of each of two other sequences, then padding; pages scattered in no order and
+    NaN in every slot after a sequence's last position."""
+    pages, table = rng.permutation(12).astype(np.int32), np.full((3, 8), -1, dtype=np.int32)
+    table[0], table[1, :2], table[2, 0] = pages[:8], pages[8:10], pages[10]
+    k_pages = (rng.standard_normal((12, PAGE, kv_heads * head_dim)) * 2).astype(np.float32)
+    v_pages = rng.standard_normal((12, PAGE, kv_heads * head_dim)).astype(np.float32)
+    row_of, pos_of = np.zeros(96, dtype=np.int32), np.zeros(96, dtype=np.int32)
+    pos_of[:CHUNK] = np.arange(FIRST, FIRST + CHUNK)
+    row_of[CHUNK:CHUNK + 2], pos_of[CHUNK:CHUNK + 2] = [1, 2], [20, 9]  # decode rows; then padding
+    for seq, last in ((0, FIRST + CHUNK - 1), (1, 20), (2, 9)):
+        for p in range(last + 1, 8 * PAGE):
+            if table[seq, p // PAGE] >= 0:
+                k_pages[table[seq, p // PAGE], p % PAGE] = v_pages[table[seq, p // PAGE], p % PAGE] = np.nan
+    q = rng.standard_normal((96, heads * head_dim)).astype(np.float32)
+    attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "scale": head_dim ** -0.5}
+    return [q, k_pages, v_pages, table, row_of, pos_of], attrs, CHUNK
+
+
+def rounded_attention(q, k_pages, v_pages, table, row_of, pos_of, num_heads, num_kv_heads, head_dim, scale):
+    """Paged attention with q (scaled), keys, probabilities and values rounded to bfloat16, each row divided by the
+    sum of its rounded probabilities: what the bfloat16 attention kernels compute, in float64."""
+    def bf16(x):
+        return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+    page, group, out = k_pages.shape[1], num_heads // num_kv_heads, np.zeros_like(q)
+    for t in range(q.shape[0]):
+        slots = [(table[row_of[t], j // page], j % page) for j in range(pos_of[t] + 1)]
+        for h in range(num_heads):
+            columns = slice(h // group * head_dim, (h // group + 1) * head_dim)
+            keys = bf16(np.stack([k_pages[p, s, columns] for p, s in slots]))
+            values = bf16(np.stack([v_pages[p, s, columns] for p, s in slots]))
+            scores = keys @ bf16(q[t, h * head_dim:(h + 1) * head_dim] * np.float32(scale))
+            weights = bf16(np.exp(scores - scores.max()))
+            out[t, h * head_dim:(h + 1) * head_dim] = weights @ values / weights.sum()
+    return out
+
+
+def assert_chunk_rounded_and_rows_float32(got: np.ndarray, inputs: list[np.ndarray], attrs: dict, chunk: int) -> None:
+    """The chunk's rows as the rounded reference (and off the exact one: they really were rounded), every other row
+    as float32 attention."""
+    rounded = rounded_attention(*inputs, **attrs)
+    exact = ref.paged_attention(*inputs, **attrs)
+    top = float(np.abs(exact).max())
+    np.testing.assert_allclose(got[:chunk], rounded[:chunk], rtol=0, atol=1e-4 * top)
+    assert np.abs(got[:chunk] - exact[:chunk]).max() > 1e-3 * top
+    np.testing.assert_allclose(got[chunk:], exact[chunk:], rtol=0, atol=1e-5 * top)
+
+
+def assert_bf16_prefill_tracks(ours: CompiledModel, hf, prompt: list[int]) -> None:
+    """Prefill logits off transformers' float32 ones by the activations' bfloat16 rounding and no more (so the
+    bfloat16 products ran), the same greedy token, and the float32 decode step after it agreeing too."""
+    import torch
+
+    cache = ours.new_cache(len(prompt) + 8)
+    got = ours.forward(prompt, cache)
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), use_cache=True)
+    want = out.logits[0, -1].numpy()
+    error = np.abs(got - want).max() / np.abs(want).max()
+    assert 1e-4 < error < 2e-2
+    token = int(np.argmax(want))
+    assert int(np.argmax(got)) == token
+    with torch.no_grad():
+        want = hf(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True).logits[0, -1].numpy()
+    assert int(np.argmax(ours.forward([token], cache))) == int(np.argmax(want))
