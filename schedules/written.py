@@ -83,9 +83,12 @@ def bf16_bits(v):
 @T.macro
 def pack_activation_pairs(x, xp):
     """xp[row block, depth / 2, row, 2] = x[row block * PAIR_ROWS + row, depth] rounded to bfloat16 (its bits): the
-    operand layout of the bfloat16 pair products (AMX tiles and AVX512-BF16 dot products)."""
+    operand layout of the bfloat16 pair products (AMX tiles and AVX512-BF16 dot products). Each 64-byte line of xp
+    is written whole before the next (depth pairs outer): row by row, a row block of a deep product (16 rows x 4864
+    depth: 155 KiB, past L1) had every line written 16 times from L2, which cost the AMX down projection [256, 4864]
+    x [896, 4864] 0.78 ms of its 1.7 (0.29 now)."""
     for rb in T.parallel(xp.shape[0]):
-        for r, d in T.grid(PAIR_ROWS, xp.shape[1]):
+        for d, r in T.grid(xp.shape[1], PAIR_ROWS):
             for p in T.vectorized(2):
                 xp[rb, d, r, p] = bf16_bits(x[rb * PAIR_ROWS + r, d * 2 + p])
 
