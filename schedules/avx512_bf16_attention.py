@@ -21,7 +21,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from .avx512_bf16 import DOT, DPBF16PS_IR
-from .block_steps import POSITIONS, block_steps
+from .block_steps import POSITIONS, block_steps, steps
 from .vector_math import softmax_exp
 from .written import bf16_bits
 
@@ -100,7 +100,7 @@ def dpbf16_block_macro(shape):
                 for v in T.unroll(vecs):
                     for lane in T.vectorized(lanes):
                         top[v, lane] = lowest
-                for step in range((seen + POSITIONS - 1) // POSITIONS):
+                for step in range(steps(seen)):
                     for p in T.unroll(POSITIONS):  # positions past the pairs converted score garbage; masked
                         offsets[p] = T.min(step * POSITIONS + p, seen_pairs(seen) * 2 - 1)
                     do.zero_scores(acc)

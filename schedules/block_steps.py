@@ -12,6 +12,11 @@ from tvm.script import tirx as T
 POSITIONS = 7  # positions scored per step, each with its own accumulators (7 x 2 row vectors)
 
 
+def steps(seen):
+    """Steps of POSITIONS positions that cover `seen` positions."""
+    return (seen + POSITIONS - 1) // POSITIONS
+
+
 def block_steps(shape) -> SimpleNamespace:
     """The shared macros for blocks of `shape` (`schedules.cpu_attention._Shape`). Every loop that indexes an
     accumulator tile is unrolled (so the tile stays in registers)."""

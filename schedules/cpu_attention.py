@@ -25,7 +25,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from . import amx_attention, avx512_bf16_attention
-from .block_steps import POSITIONS, block_steps
+from .block_steps import POSITIONS, block_steps, steps
 from .vector_math import softmax_exp
 from .written import FLOATS_PER_LINE, horizontal, prefetch
 
@@ -37,11 +37,6 @@ WEIGHTED_POSITIONS = 32  # positions whose values a block's rows sum in one pass
 ROW_POSITIONS = 8  # positions a single row scores per step at most, each with its own accumulators
 AHEAD = 16  # positions ahead whose keys (values) a single row asks for while it scores (sums) one
 WEIGHTED_SETS = 2  # independent sums of a single row's weighted values, for short head dimensions
-
-
-def steps(seen):
-    """Steps of POSITIONS positions that cover `seen` positions."""
-    return (seen + POSITIONS - 1) // POSITIONS
 
 
 class _Shape:
