@@ -18,7 +18,8 @@ from tvm.script import tirx as T
 
 from ir.packing import PAIR_SLOTS, pair_column, pair_order, pair_scale, pair_value
 
-from .written import PAIR_ROWS, bf16_bits, linear_func, pack_activation_pairs, packed_linear_func, transpose
+from .written import (PAIR_ROWS, bf16_bits, linear_func, pack_activation_pairs, packed_linear_func, transpose,
+                      widened)
 
 TILE = PAIR_ROWS  # rows per tile (16); a tile row holds 64 bytes: 32 bfloat16 or 16 float32
 DEPTH = 32  # bfloat16 depth per dot product
@@ -158,8 +159,7 @@ def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
                     for lane in T.vectorized(TILE):
                         xa[r, (g * group // TILE + d) * TILE + lane] = bf16_bits(
                             x[r, (g * group // TILE + d) * TILE + lane])
-                        part[lane] = part[lane] + T.reinterpret("float32", T.shift_left(T.Cast(
-                            "uint32", xa[r, (g * group // TILE + d) * TILE + lane]), T.uint32(16)))
+                        part[lane] = part[lane] + widened(xa[r, (g * group // TILE + d) * TILE + lane])
                 xsum[r, g] = T.float32(0)
                 for lane in range(TILE):
                     xsum[r, g] = xsum[r, g] + part[lane]

@@ -20,7 +20,7 @@ from tvm.script import tirx as T
 
 from .amx import DEPTH, TILE, store, tile_config, two_by_two, zero_accumulators
 from .vector_math import softmax_exp
-from .written import bf16_bits, horizontal, transpose
+from .written import bf16_bits, bf16_pair, horizontal, transpose, widened
 
 ROWS = 2 * TILE  # query rows per block: two A tiles
 STEP = 2 * TILE  # positions per step of the scores: two B tiles (and one A tile's depth in the weighted sum)
@@ -34,11 +34,6 @@ def _steps(seen):
 def fits(dim: int, block: int) -> bool:
     """Whether a block of `block` rows with head dimension `dim` runs on tiles: whole depths, two row tiles."""
     return dim % DEPTH == 0 and block == ROWS
-
-
-def _widened(bits):
-    """The float32 of bfloat16 `bits`."""
-    return T.reinterpret("float32", T.shift_left(T.Cast("uint32", bits), T.uint32(16)))
 
 
 @T.macro
@@ -83,10 +78,9 @@ def amx_block_macro(shape):
                 kb[j, c * lanes + lane] = bf16_bits(keys[base(T.min(j, seen - 1)) + kv + c * lanes + lane])
         for j2, c in T.grid(_steps(seen) * TILE, dim // lanes):
             for lane in T.vectorized(lanes):
-                vp[j2, c * lanes + lane] = T.bitwise_or(
-                    T.Cast("uint32", bf16_bits(values[base(T.min(2 * j2, seen - 1)) + kv + c * lanes + lane])),
-                    T.shift_left(T.Cast("uint32", bf16_bits(values[base(T.min(2 * j2 + 1, seen - 1)) + kv
-                                                                   + c * lanes + lane])), T.uint32(16)))
+                vp[j2, c * lanes + lane] = bf16_pair(
+                    bf16_bits(values[base(T.min(2 * j2, seen - 1)) + kv + c * lanes + lane]),
+                    bf16_bits(values[base(T.min(2 * j2 + 1, seen - 1)) + kv + c * lanes + lane]))
         for g, c in T.grid(_steps(seen) * 2, dim // DEPTH):  # 16 positions x 16 pairs at a time
             for p in T.unroll(TILE):
                 t0[p, T.ramp(0, 1, TILE)] = T.reinterpret(f"float32x{TILE}",
@@ -119,7 +113,7 @@ def amx_block_macro(shape):
                         pb[r, jv * lanes + lane] = bf16_bits(T.Select(
                             jv * lanes + lane <= T.min(first + r, seen - 1),
                             softmax_exp(s[r, jv * lanes + lane] - top[0]), T.float32(0)))
-                        sums[lane] = sums[lane] + _widened(pb[r, jv * lanes + lane])
+                        sums[lane] = sums[lane] + widened(pb[r, jv * lanes + lane])
                 total[r] = horizontal(sums[T.ramp(0, 1, lanes)], lanes, operator.add)
             for c in range(dim // STEP):  # a pass per 32 head dimensions: 2 x 2 tiles of [row, dimension]
                 zero_accumulators()

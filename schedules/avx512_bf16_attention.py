@@ -23,7 +23,7 @@ from tvm.script import tirx as T
 from .avx512_bf16 import DOT, DPBF16PS_IR
 from .block_steps import POSITIONS, block_steps, steps
 from .vector_math import softmax_exp
-from .written import bf16_bits
+from .written import bf16_bits, bf16_pair, widened
 
 WEIGHTED_PAIRS = 32  # pairs of positions whose values a block's rows sum in one pass: the values stay in L1
 
@@ -33,17 +33,7 @@ def fits(dim: int, lanes: int) -> bool:
     return lanes == 16 and dim % lanes == 0
 
 
-def _pair(low, high):
-    """One 32-bit word of two bfloat16 bit patterns: `low` in its low half, as memory holds a pair."""
-    return T.bitwise_or(T.Cast("int32", low), T.shift_left(T.Cast("int32", high), 16))
-
-
-def _widened(word):
-    """The float32 of the bfloat16 in the low half of `word`."""
-    return T.reinterpret("float32", T.shift_left(word, 16))
-
-
-def probability(s, top, first, j, v, lane):
+def _probability(s, top, first, j, v, lane):
     """The bits of the softmax's numerator for position j and row v * 16 + lane of a block whose first row is at
     position `first`, rounded to bfloat16: 0 past the row's position."""
     lanes = top.shape[1]
@@ -68,13 +58,13 @@ def dpbf16_block_macro(shape):
     @T.macro
     def heads_block(q, out, keys, values, h0, kv, r0, first, seen, base):
         kb = T.alloc_buffer((span, dim), "uint16")  # keys rounded, row-major: a row is its dim / 2 pairs
-        kp = T.decl_buffer((span, pairs), "int32", data=kb.data)
-        vp = T.alloc_buffer((span // 2, dim), "int32")  # values of a pair of positions, rounded
+        kp = T.decl_buffer((span, pairs), "uint32", data=kb.data)
+        vp = T.alloc_buffer((span // 2, dim), "uint32")  # values of a pair of positions, rounded
         qb = T.alloc_buffer((block, dim), "uint16")  # q rows, scaled, rounded
-        qb_pairs = T.decl_buffer((block, pairs), "int32", data=qb.data)
-        qp = T.alloc_buffer((pairs, block), "int32")  # the same, a pair of head dimensions of every row side by side
+        qb_pairs = T.decl_buffer((block, pairs), "uint32", data=qb.data)
+        qp = T.alloc_buffer((pairs, block), "uint32")  # the same, a pair of head dimensions of every row side by side
         s = T.alloc_buffer((span, block), "float32")  # scores
-        pp = T.alloc_buffer((span // 2, block), "int32")  # probabilities of a pair of positions
+        pp = T.alloc_buffer((span // 2, block), "uint32")  # probabilities of a pair of positions
         offsets = T.alloc_buffer((POSITIONS,), "int32")
         acc = T.alloc_buffer((POSITIONS, vecs, lanes), "float32")
         top = T.alloc_buffer((vecs, lanes), "float32")
@@ -87,7 +77,7 @@ def dpbf16_block_macro(shape):
                     kb[j, c * lanes + lane] = bf16_bits(keys[base(T.min(j, seen - 1)) + kv + c * lanes + lane])
             for j2, c in T.grid(seen_pairs(seen), dim // lanes):
                 for lane in T.vectorized(lanes):
-                    vp[j2, c * lanes + lane] = _pair(
+                    vp[j2, c * lanes + lane] = bf16_pair(
                         bf16_bits(values[base(2 * j2) + kv + c * lanes + lane]),
                         bf16_bits(values[base(T.min(2 * j2 + 1, seen - 1)) + kv + c * lanes + lane]))
             for i in range(heads):
@@ -116,10 +106,10 @@ def dpbf16_block_macro(shape):
                         total[v, lane] = T.float32(0)
                     for j2 in range(seen_pairs(seen)):  # rounded probabilities, a pair a word; their sum
                         for lane in T.vectorized(lanes):
-                            pp[j2, v * lanes + lane] = _pair(probability(s, top, first, 2 * j2, v, lane),
-                                                             probability(s, top, first, 2 * j2 + 1, v, lane))
-                            total[v, lane] = total[v, lane] + _widened(pp[j2, v * lanes + lane]) + _widened(
-                                T.shift_right(pp[j2, v * lanes + lane], 16))
+                            pp[j2, v * lanes + lane] = bf16_pair(_probability(s, top, first, 2 * j2, v, lane),
+                                                                 _probability(s, top, first, 2 * j2 + 1, v, lane))
+                            total[v, lane] = total[v, lane] + widened(pp[j2, v * lanes + lane]) + widened(
+                                T.shift_right(pp[j2, v * lanes + lane], T.uint32(16)))
                 for c0 in range(dim // lanes // out_vecs):  # a pass per out_vecs vectors of the head dimension
                     for r, c in T.grid(block, out_vecs):
                         for lane in T.vectorized(lanes):

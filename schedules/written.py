@@ -80,6 +80,17 @@ def bf16_bits(v):
     return T.Cast("uint16", (bits + T.uint32(0x7FFF) + ((bits >> T.uint32(16)) & T.uint32(1))) >> T.uint32(16))
 
 
+def widened(bits):
+    """The float32 of the bfloat16 whose bits are the low 16 of `bits` (a uint16, or a word whose upper half is
+    dropped)."""
+    return T.reinterpret("float32", T.shift_left(T.Cast("uint32", bits), T.uint32(16)))
+
+
+def bf16_pair(low, high):
+    """One uint32 word of two bfloat16 bit patterns, `low` in its low half: a pair as memory holds it."""
+    return T.bitwise_or(T.Cast("uint32", low), T.shift_left(T.Cast("uint32", high), T.uint32(16)))
+
+
 @T.macro
 def pack_activation_pairs(x, xp):
     """xp[row block, depth / 2, row, 2] = x[row block * PAIR_ROWS + row, depth] rounded to bfloat16 (its bits): the
