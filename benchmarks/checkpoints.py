@@ -17,6 +17,14 @@ SHAPES = {
     "tinyllama-1.1b": dict(arch="llama", hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
                            num_key_value_heads=4, intermediate_size=5632, vocab_size=32000,
                            tie_word_embeddings=False, max_position_embeddings=2048),
+    "qwen2.5-1.5b": dict(arch="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True,
+                         rope_theta=1000000.0, max_position_embeddings=32768),
+    "llama-3.2-1b": dict(arch="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, intermediate_size=8192, vocab_size=128256,
+                         tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=131072,
+                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0, original_max_position_embeddings=8192)),
     # hidden, layers, heads, vocab, tied embeddings and one full-attention layer in four as published for
     # Qwen3.5-0.8B; the linear-attention shapes (16 q/k and 16 v heads of 128) and the MLP width are assumed
     "qwen3.5-0.8b": dict(arch="qwen3_5_text", hidden_size=1024, num_hidden_layers=24, num_attention_heads=8,
