@@ -34,6 +34,7 @@ from ir.contract import (
     config_hash,
     default_artifact_dir,
     file_digest,
+    hidden_entry,
     read_manifest,
     source_hash,
     verify_files,
@@ -132,7 +133,7 @@ def build(model_dir: str | Path, *, target: str = "llvm", out: str | Path | None
         program = packed_as(program, CPU_PACKINGS)  # packed weights in the layout the CPU kernels read
     buckets = replace(resolve_buckets(prefill_buckets, max_context, config.max_position_embeddings, batch_rows,
                                       kv_pages, kv_block),
-                      entries=_entries(program, (ATTENTION_ENTRIES["legacy"],) if legacy_attention else ()),
+                      entries=_entries(program, _LEGACY_ENTRIES if legacy_attention else ()),
                       image_patches=_image_patches(image_patches, config))
     out = Path(out) if out is not None else default_artifact_dir(model_dir, target)
     signatures = kernel_signatures(program, buckets)
@@ -216,6 +217,9 @@ def _options(tgt: CpuTarget | CudaTarget, buckets: Buckets, mcpu: str | None) ->
         options += ["--mcpu", mcpu] if mcpu else []
     options += ["--matmul-precision", "bfloat16"] if tgt.bf16_products else []
     return tuple(options)
+
+
+_LEGACY_ENTRIES = (ATTENTION_ENTRIES["legacy"], hidden_entry(ATTENTION_ENTRIES["legacy"]))
 
 
 def _entries(program, optional: tuple[str, ...]) -> tuple[str, ...]:

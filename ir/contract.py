@@ -35,7 +35,7 @@ from .graph import (
     Program,
 )
 
-FORMAT = 4
+FORMAT = 5
 KIND = "ruda-artifact"  # what marks a directory as ours: only such a directory is ever replaced by a build
 MANIFEST = "manifest.json"
 MODULE = "model.so"
@@ -48,6 +48,13 @@ ATTENTION_ENTRIES = {"fused": "step", "legacy": "step_gather"}  # paged attentio
 CUDA_RUNTIME_LIBRARY = "libcudart.so.13"  # what the pinned TVM's CUDA loader links against (CUDA 13)
 CUDA_LIBRARY_FOLDERS = ("lib64", "lib", "targets/x86_64-linux/lib")  # where a CUDA toolkit root keeps it
 MODEL_PACKAGES = ("ir", "models")  # the model definitions: a change here changes the graph an artifact implements
+
+
+def hidden_entry(step_entry: str) -> str:
+    """The variant of a step entry whose output is each sequence's last row of the final normalised hidden states,
+    not its logits: for steps after which no sequence's next token is wanted (a prompt's chunks before its last), so
+    that they skip the vocabulary head (one read of its weights, the largest matrix of most models)."""
+    return f"{step_entry}_hidden"
 
 
 class ArtifactError(RudaError):
@@ -121,7 +128,7 @@ class Buckets:
     max_context: int
     kv_pages: int
     kv_block: int = 16
-    entries: tuple[str, ...] = ("step",)
+    entries: tuple[str, ...] = ("step", "step_hidden")
     image_patches: tuple[int, ...] = ()
 
     @property

@@ -25,6 +25,7 @@ from ir import (
     fuse_add_rms_norm,
     verify,
 )
+from ir.contract import ATTENTION_ENTRIES, hidden_entry
 from ir.ops import SEQUENCE_INPUTS
 
 from .config import MAX_LAYERS, ConfigReader
@@ -147,19 +148,20 @@ def build_decoder_program(c: DecoderConfig, param_dtypes: Mapping[str, str] | No
 
 def assemble_program(c: DecoderConfig, params: dict[str, Param], step_entry, others: dict | None = None) -> Program:
     """The verified program: `params` (the weight map), `step_entry` graphs (fused paged attention, and the legacy
-    gather path), and any `others` entries (name -> graph)."""
-    entries = {"step": step_entry(c, params, gather=False), "step_gather": step_entry(c, params, gather=True)}
-    return verify(Program(c.model_type, params, entries | (others or {}), {"config": asdict(c)}))
+    gather path; each with logits out and with the last hidden rows out), and any `others` entries (name -> graph)."""
+    steps = [step_entry(c, params, gather, logits) for gather in (False, True) for logits in (True, False)]
+    return verify(Program(c.model_type, params, {g.name: g for g in steps} | (others or {}), {"config": asdict(c)}))
 
 
-def _step_entry(c: DecoderConfig, params: dict[str, Param], gather: bool):
+def _step_entry(c: DecoderConfig, params: dict[str, Param], gather: bool, logits: bool):
     """One step over a paged KV arena: the new tokens of one or more sequences in one flat row list.
 
     Each token row says its sequence (`row_of`), position (`pos_of`) and KV slot (`slots`, page *
     block + offset, negative for padding); `block_table` maps each sequence's positions to pages;
-    `last` picks each sequence's row whose logits are wanted. `gather` builds the legacy path.
+    `last` picks each sequence's row whose logits are wanted. `gather` builds the legacy path, `logits=False` the
+    variant without the vocabulary head (ir.contract.hidden_entry).
     """
-    g = step_builder(params, gather)
+    g = step_builder(params, gather, logits)
     step = step_inputs(g)
     kv = c.num_key_value_heads * c.head_dim
     arenas = [tuple(g.input(f"{kind}_pages.{i}", (PAGES, BLOCK, kv), "float32", f"{kind}_pages", i) for kind in ("k", "v"))
@@ -168,13 +170,15 @@ def _step_entry(c: DecoderConfig, params: dict[str, Param], gather: bool):
     for i, pages in enumerate(arenas):
         h = _layer(g, c, f"model.layers.{i}.", h, step["pos_of"], paged_attend(g, c, step, *pages, gather))
     h = g.op("rms_norm", [h, "model.norm.weight"], "final_norm", eps=c.rms_norm_eps)
-    return eliminate_dead_values(fuse_add_rms_norm(g.finish([batch_logits(g, c, h, step, "model.embed_tokens")])))
+    out = step_output(g, c, h, step, "model.embed_tokens", logits)
+    return eliminate_dead_values(fuse_add_rms_norm(g.finish([out])))
 
 
-def step_builder(params: dict[str, Param], gather: bool) -> GraphBuilder:
+def step_builder(params: dict[str, Param], gather: bool, logits: bool) -> GraphBuilder:
     """The builder of a step entry, compiled per token and row bucket: `step`, or the optional legacy attention
-    path `step_gather` (built on request)."""
-    return GraphBuilder("step_gather" if gather else "step", params, bucket_dims=(TOKENS, ROWS), optional=gather)
+    path `step_gather` (built on request); with `logits=False`, their variant without the head (`step_hidden`)."""
+    name = ATTENTION_ENTRIES["legacy" if gather else "fused"]
+    return GraphBuilder(name if logits else hidden_entry(name), params, bucket_dims=(TOKENS, ROWS), optional=gather)
 
 
 def step_inputs(g: GraphBuilder, sequences: bool = False) -> dict[str, str]:
@@ -205,9 +209,11 @@ def paged_attend(g: GraphBuilder, c: DecoderConfig, step: dict[str, str], k_page
     return attend
 
 
-def batch_logits(g: GraphBuilder, c: DecoderConfig, h: str, step: dict[str, str], embed: str) -> str:
-    """Logits of each sequence's last row of the normalised hidden states (lm_head, or the tied embedding module)."""
-    return lm_head(g, g.op("take_rows", [h, step["last"]], "last_rows"), embed, c.tie_word_embeddings)
+def step_output(g: GraphBuilder, c: DecoderConfig, h: str, step: dict[str, str], embed: str, logits: bool) -> str:
+    """A step's output: each sequence's last row of the normalised hidden states `h`, or (`logits`) the logits of
+    that row (lm_head, or the tied embedding module)."""
+    rows = g.op("take_rows", [h, step["last"]], "last_rows")
+    return lm_head(g, rows, embed, c.tie_word_embeddings) if logits else rows
 
 
 def attention_attrs(c: DecoderConfig) -> dict:

@@ -42,11 +42,11 @@ from .layers import linear, swiglu_mlp
 from .decoder import (
     DecoderConfig,
     assemble_program,
-    batch_logits,
     decoder_fields,
     paged_attend,
     step_builder,
     step_inputs,
+    step_output,
 )
 from .quantization import make_params
 
@@ -201,11 +201,11 @@ def build_program(c: Qwen35Config, param_dtypes: Mapping[str, str] | None = None
     return assemble_program(c, params, _step_entry, {"encode_image": vision.encoder_entry(c.vision, params)})
 
 
-def _step_entry(c: Qwen35Config, params: dict[str, Param], gather: bool):
+def _step_entry(c: Qwen35Config, params: dict[str, Param], gather: bool, logits: bool):
     """A step over one or more sequences (see models.decoder's step): KV in a paged arena per attention layer, the
     conv and recurrent states of linear-attention layers in a pool of per-sequence slots. With a vision encoder, the
     image tokens' embeddings come in as inputs and the rotary positions are multimodal."""
-    g = step_builder(params, gather)
+    g = step_builder(params, gather, logits)
     step = step_inputs(g, sequences=True)
     kv = c.num_key_value_heads * c.head_dim
     seqs = [step[name] for name in SEQUENCE_INPUTS]
@@ -230,8 +230,8 @@ def _step_entry(c: Qwen35Config, params: dict[str, Param], gather: bool):
                                                 c.linear_value_head_dim), "float32", "recurrent_pool", i)
             mixers.append(partial(_gated_delta_net, g, c, n=step["n"], seqs=seqs, conv_pool=conv, delta_pool=delta))
     h = _decoder(g, c, h, mixers)
-    return eliminate_dead_values(fuse_add_rms_norm(g.finish([batch_logits(g, c, h, step,
-                                                                          c.weight_prefix + "embed_tokens")])))
+    out = step_output(g, c, h, step, c.weight_prefix + "embed_tokens", logits)
+    return eliminate_dead_values(fuse_add_rms_norm(g.finish([out])))
 
 
 def _decoder(g: GraphBuilder, c: Qwen35Config, h: str, mixers: list) -> str:

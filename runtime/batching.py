@@ -94,7 +94,7 @@ class BatchExecutor:
                 self.model.copy_page(self.cache, src, dst)
             rows = [StepRow(seq.token_ids, seq.start_position, seq.page_table, seq.slot, seq.images)
                     for seq in batch.sequences]
-            logits = self.model.step(rows, self.cache)
+            logits = self.model.step(rows, self.cache, logits=any(seq.final for seq in batch.sequences))
         except Exception as error:  # noqa: BLE001 -- any failure of the device step: recover, keep serving
             self._recover(batch, error)
             return []

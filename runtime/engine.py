@@ -19,7 +19,7 @@ import tvm
 import tvm_ffi
 
 import models
-from ir.contract import ATTENTION_ENTRIES, InputSpec, build_command
+from ir.contract import ATTENTION_ENTRIES, InputSpec, build_command, hidden_entry
 from ir.errors import RudaError
 from ir.graph import PAGED_KV_ROLES, PATCHES, RECURRENT_ROLES, ROWS, TOKENS
 
@@ -248,10 +248,10 @@ class CompiledModel:
         while done < len(token_ids):
             part = token_ids[done:done + self._chunk(len(token_ids) - done)]
             row = StepRow(part, cache.length, cache.pages, cache.slot or 0, cache.images)
-            logits = self.step([row], cache.arena.cache)[0]
-            cache.length += len(part)
             done += len(part)
-        return logits
+            logits = self.step([row], cache.arena.cache, logits=done == len(token_ids))
+            cache.length += len(part)
+        return logits[0]
 
     def _check_token_ids(self, token_ids) -> None:
         """Refuse token ids outside the vocabulary (before anything is run or written)."""
@@ -303,9 +303,10 @@ class CompiledModel:
                          for p in (src, dst)]
                 views[0].copyto(views[1])
 
-    def step(self, rows: list[StepRow], cache: "BatchCache") -> np.ndarray:
+    def step(self, rows: list[StepRow], cache: "BatchCache", logits: bool = True) -> np.ndarray | None:
         """Run one step of these rows (StepRow, or a plain (token ids, start, pages, slot) tuple); logits after each
-        row's last token. A failed step leaves the cache unusable."""
+        row's last token, or None with `logits=False` (no row's next token is wanted: the step skips the vocabulary
+        head). A failed step leaves the cache unusable."""
         cache.check()
         rows = [StepRow(*row) for row in rows]
         b = self.buckets
@@ -340,7 +341,7 @@ class CompiledModel:
                   "seq_start": seq_start, "seq_len": seq_len, "seq_pos": seq_pos, "seq_slot": seq_slot}
         if self.vision is not None:
             values |= self._multimodal_values(rows, pos_of)
-        entry = ATTENTION_ENTRIES[cache.attention]
+        entry = ATTENTION_ENTRIES[cache.attention] if logits else hidden_entry(ATTENTION_ENTRIES[cache.attention])
         try:
             out = self._call(cache.functions, b.function_name(entry, {TOKENS: tokens, ROWS: row_bucket}), entry,
                              values, cache.tensors)
@@ -349,7 +350,7 @@ class CompiledModel:
             raise GenerationError(f"the step failed ({last_line(e)}); its KV pages and states may be half-written, "
                                   "so this cache can no longer be used: create a new one (new_cache() for one "
                                   "sequence, new_batch_cache() for a batch)") from e
-        return out.numpy()[:len(rows)]
+        return out.numpy()[:len(rows)] if logits else None
 
     def _multimodal_values(self, rows: list[StepRow], pos_of: np.ndarray) -> dict[str, np.ndarray]:
         """The image inputs of a step: image tokens' embeddings and mask, and every token's rotary position (its

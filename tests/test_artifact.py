@@ -38,19 +38,23 @@ def _edit_manifest(artifact, **changes):
 
 
 def test_manifest_describes_the_build(tiny_factory):
-    _, artifact = tiny_factory(arch="qwen2")
+    model_dir, artifact = tiny_factory(arch="qwen2")
     m = json.loads((artifact / MANIFEST).read_text())
     assert m["model_type"] == "qwen2" and m["target"]["kind"] == "llvm"
     assert m["buckets"] == {"prefill_tokens": [8, 16], "batch_rows": [1], "max_context": 128, "kv_pages": 8,
-                            "kv_block": 16, "entries": ["step"], "image_patches": []}  # one row: a batch of one
+                            "kv_block": 16, "entries": ["step", "step_hidden"], "image_patches": []}  # one row
     assert m["kind"] == "ruda-artifact" and set(m["files"]) == {"model.so"} and len(m["files"]["model.so"]) == 64
     assert len(m["ir_hash"]) == 64 and len(m["config_hash"]) == 64 and m["tvm_version"]
-    assert list(m["functions"]) == ["step_t1_r1", "step_t8_r1", "step_t16_r1"]  # a decode step, and the prefill chunks
+    steps = ["step_t1_r1", "step_t8_r1", "step_t16_r1"]  # a decode step, and the prefill chunks
+    assert list(m["functions"]) == steps + [f"step_hidden_{name[5:]}" for name in steps]  # ... and without the head
     assert m["functions"]["step_t8_r1"] == {"shape": [1, m["vocab_size"]], "dtype": "float32"}  # one row's logits
+    hidden = json.loads((model_dir / "config.json").read_text())["hidden_size"]
+    assert m["functions"]["step_hidden_t8_r1"] == {"shape": [1, hidden], "dtype": "float32"}  # its last hidden row
     assert any(k.startswith("paged_attention_") for k in m["kernels"])
     step = {spec["name"]: (spec["role"], spec["layer"], spec["shape"]) for spec in m["inputs"]["step"]}
     assert step["ids"] == ("token_ids", None, ["tokens"]) and step["k_pages.1"] == ("k_pages", 1, [8, 16, 32])
-    assert set(m["inputs"]) == {"step"}  # no legacy attention path built
+    assert m["inputs"]["step_hidden"] == m["inputs"]["step"]
+    assert set(m["inputs"]) == {"step", "step_hidden"}  # no legacy attention path built
     assert (artifact / "ir.txt").read_text().startswith("program qwen2")
 
 
@@ -198,7 +202,8 @@ def test_single_sequences_take_pages_as_they_grow_and_give_them_back(tiny_factor
     assert len(first.pages) == 2 and first.length == 20
     model.forward([3], first)
     assert len(first.pages) == 2
-    assert calls == ["step_t16_r1", "step_t8_r1", "step_t1_r1"]  # 20 prompt tokens as 16 + 4 (padded to 8), then 1
+    # 20 prompt tokens as 16 (no logits wanted: no head) + 4 (padded to 8), then 1
+    assert calls == ["step_hidden_t16_r1", "step_t8_r1", "step_t1_r1"]
     second = model.new_cache()
     model.forward(list(range(96)), second)
     assert len(second.pages) == 6 and not set(first.pages) & set(second.pages)

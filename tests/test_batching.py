@@ -101,6 +101,20 @@ def test_sampled_requests_keep_their_own_seeded_streams(model):
         assert finished.generated_token_ids == generate(model, prompt, config).generated_token_ids
 
 
+def test_steps_of_only_unfinished_prompt_chunks_skip_the_head(model, attention_path, monkeypatch):
+    """With 8 tokens a step, a 20-token prompt fills the cache in steps of 8, 8 and 4 tokens: the first two want no
+    token, so they run the step variant without the vocabulary head; the tokens are a solo run's."""
+    prompt = [int(t) for t in np.random.default_rng(9).integers(0, model.config.vocab_size, 20)]
+    config = GreedyGenerationConfig(4, eos_token_ids=[])
+    calls, call = [], StepFunctions.__call__
+    monkeypatch.setattr(StepFunctions, "__call__", lambda self, name, *a: calls.append(name) or call(self, name, *a))
+    (finished,) = _run_all(BatchExecutor(model, ContinuousBatchConfig(2, 8)), [prompt], [config])
+    entry = {"fused": "step", "legacy": "step_gather"}[attention_path]
+    assert calls[:3] == [f"{entry}_hidden_t8_r1", f"{entry}_hidden_t8_r1", f"{entry}_t4_r1"]
+    assert all("_hidden_" not in name for name in calls[3:])  # decode steps: each wants its token
+    assert finished.generated_token_ids == generate(model, prompt, config).generated_token_ids
+
+
 def test_eos_finishes_a_request_early(model):
     prompt = [3, 4, 5]
     free = generate(model, prompt, GreedyGenerationConfig(10, eos_token_ids=[])).generated_token_ids

@@ -141,7 +141,8 @@ def test_builder_rejects_undefined_and_duplicate_values():
 def test_model_programs_verify(arch):
     p = _program(arch)
     assert verify(p) is p
-    assert set(p.entries) == {"step", "step_gather"}  # one execution path (and its legacy attention variant)
+    # one execution path (and its legacy attention variant), each also without the vocabulary head
+    assert set(p.entries) == {"step", "step_gather", "step_hidden", "step_gather_hidden"}
     cfg = models.parse_config(RAW[arch])
     assert set(p.params) == set(models.checkpoint_shapes(cfg))
     for name, shape in models.checkpoint_shapes(cfg).items():
@@ -490,7 +491,7 @@ def test_printer_shows_params_entries_ops_and_abbreviates_long_attrs():
     assert repr(inv_freq[-1]) not in text
     assert "eps=1e-05" in text and "num_heads=4" in text
     assert "@model.embed_tokens.weight" in text and "%ids" in text  # params and values are marked apart
-    assert text.count("return %logits") == len(p.entries) == 2
+    assert text.count("return %logits") == text.count("return %last_rows") == len(p.entries) / 2 == 2
 
 
 def test_printer_keeps_short_lists():
@@ -653,7 +654,8 @@ def test_entries_declare_their_bucket_axes_and_the_build_compiles_each_over_them
 
     p = _program("qwen2")
     assert p.entries["step"].bucket_dims == (TOKENS, ROWS) and not p.entries["step"].optional
-    assert p.entries["step_gather"].optional  # the legacy attention path: built on request
+    assert p.entries["step_gather"].optional and p.entries["step_gather_hidden"].optional  # legacy: on request
+    assert not p.entries["step_hidden"].optional
     assert from_json(to_json(p)).entries["step_gather"] == p.entries["step_gather"]
     buckets = Buckets((8, 16), (1, 4), 64, 8, entries=("step", "step_gather"))
     names = [name for name, _, _ in buckets.functions(p)]

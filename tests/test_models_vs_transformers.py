@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from runtime import CompiledModel, GreedyGenerationConfig, generate
+from runtime.engine import StepFunctions
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -72,6 +73,23 @@ def test_prefill_and_every_decode_step_match(case, prompt_len):
     prompt = [int(t) for t in np.random.default_rng(prompt_len).integers(0, ours.config.vocab_size, prompt_len)]
     cache = assert_steps_match(ours, hf, prompt, DECODE_STEPS - 1)
     assert cache.length == prompt_len + DECODE_STEPS - 1
+
+
+def test_prompt_chunks_before_the_last_skip_the_head(case, monkeypatch):
+    """A 40-token prompt runs as chunks of 16, 16 and 8: the first two call the step variant without the vocabulary
+    head, whose output, the last row's final normalised hidden state, is transformers' (last_hidden_state); the head
+    runs once, after the last chunk, and its logits are transformers'."""
+    ours, hf = case
+    prompt = [int(t) for t in np.random.default_rng(40).integers(0, ours.config.vocab_size, 40)]
+    calls, call = [], StepFunctions.__call__
+    monkeypatch.setattr(StepFunctions, "__call__",
+                        lambda self, name, *a: calls.append((self, name)) or call(self, name, *a))
+    logits = ours.forward(prompt, ours.new_cache(len(prompt)))
+    assert [name for _, name in calls] == ["step_hidden_t16_r1", "step_hidden_t16_r1", "step_t8_r1"]
+    hidden = calls[0][0].buffers("step_hidden_t16_r1")[1].numpy()[0]  # after the second chunk: position 31's row
+    with torch.no_grad():
+        assert_logits_close(hidden, hf.model(torch.tensor([prompt[:32]])).last_hidden_state[0, -1].numpy())
+        assert_logits_close(logits, hf(torch.tensor([prompt])).logits[0, -1].numpy())
 
 
 def test_32_greedy_tokens_identical(case):

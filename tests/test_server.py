@@ -257,10 +257,10 @@ def test_a_failing_step_fails_only_its_request(built):
     poison = server.pipeline.encode(" poison")[0]
     real_step = model.step
 
-    def step(rows, cache):
+    def step(rows, cache, logits=True):
         if any(poison in row[0] for row in rows):
             raise RuntimeError("injected device failure")
-        return real_step(rows, cache)
+        return real_step(rows, cache, logits)
 
     model.step = step
     try:
