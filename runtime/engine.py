@@ -7,6 +7,7 @@ pages come from an arena the model keeps for such sequences; the batch executor 
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import weakref
@@ -19,7 +20,7 @@ import tvm
 import tvm_ffi
 
 import models
-from ir.contract import ATTENTION_ENTRIES, InputSpec, build_command, hidden_entry
+from ir.contract import ATTENTION_ENTRIES, InputSpec, TargetSpec, build_command, hidden_entry
 from ir.errors import RudaError
 from ir.graph import PAGED_KV_ROLES, PATCHES, RECURRENT_ROLES, ROWS, TOKENS
 
@@ -149,13 +150,39 @@ class KVCache:
         self.pages.extend(free.pop() for _ in range(max(needed, 0)))
 
 
-def prefill_chunk(remaining: int, buckets: list[int]) -> int:
-    """The bucket for the next prefill chunk: the largest that is filled, else the smallest that holds the rest.
+# What a step costs beyond its token rows, in rows: about the time it takes to read the weights once over the time
+# one row's products take (the machine's product rate per weight byte). On the 2-core Xeon of docs/performance.md
+# (bfloat16 weights at ~30 GB/s): float32 products ~270 GFLOP/s, ~9 rows; AMX tiles ~1200, ~40 rows; AVX512-BF16 on
+# AMD Zen 5 ~700 at ~35 GB/s, ~20 rows. A GPU's products outrun its memory further still.
+STEP_COST_ROWS = {None: 8, "avx512bf16": 20, "amx": 40, "wmma": 128}
+GPU_STEP_COST_ROWS = 128
 
-    Padding is wasted work, so 100 tokens with buckets (16, 64, 256) run as 64 + 64, not one 256.
+
+def step_cost_rows(target: TargetSpec) -> int:
+    """A step's cost beyond its token rows on this artifact's target, in rows (STEP_COST_ROWS)."""
+    return GPU_STEP_COST_ROWS if target.kind == "cuda" else STEP_COST_ROWS[target.bf16_products]
+
+
+def prefill_chunk(remaining: int, buckets: tuple[int, ...], step_cost: int) -> int:
+    """The bucket for the next chunk of `remaining` prompt tokens: the first of the cheapest plan, a step costing its
+    bucket's rows (padding included) plus `step_cost` rows; the largest bucket while more than two of it remain.
+
+    With buckets (16, 64, 256) and float32 products (8): 20 tokens run as 16 + 16, 63 as 64, 100 as 64 + 64, 200 as
+    64 + 64 + 64 + 16; on AMX tiles (40): 20 as 64 and 200 as 256.
     """
-    filled = [b for b in buckets if b <= remaining]
-    return filled[-1] if filled else next(b for b in buckets if b >= remaining)
+    largest = buckets[-1]
+    return largest if remaining > 2 * largest else -_cheapest_plans(tuple(buckets), step_cost)[remaining][2]
+
+
+@functools.lru_cache(maxsize=16)
+def _cheapest_plans(buckets: tuple[int, ...], step_cost: int) -> list[tuple[int, int, int]]:
+    """For 0 to twice the largest bucket of tokens: (cost in rows, steps, minus the first bucket) of the cheapest
+    plan, on a tie the one of fewer steps, then the one that starts with the larger chunk (padding comes last)."""
+    plans = [(0, 0, 0)]
+    for remaining in range(1, 2 * buckets[-1] + 1):
+        plans.append(min((b + step_cost + plans[max(remaining - b, 0)][0], plans[max(remaining - b, 0)][1] + 1, -b)
+                         for b in buckets))
+    return plans
 
 
 class CompiledModel:
@@ -260,10 +287,8 @@ class CompiledModel:
             raise GenerationError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.config.vocab_size - 1})")
 
     def _chunk(self, remaining: int) -> int:
-        """Tokens of the next step of one sequence: all that remain when a step bucket fits them exactly (a single
-        token), else a prefill chunk (see prefill_chunk)."""
-        b = self.buckets
-        return remaining if remaining in b.step_tokens else prefill_chunk(remaining, list(b.prefill_tokens))
+        """Tokens of the next step of one sequence (see prefill_chunk; a single token is a step of its own)."""
+        return prefill_chunk(remaining, self.buckets.step_tokens, step_cost_rows(self.manifest.target))
 
     def forward_cached_last(self, token_ids: list[int], cache: KVCache) -> np.ndarray:
         """The logits after the last of `token_ids`, appended to `cache` (pass only tokens not yet in it)."""

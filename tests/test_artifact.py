@@ -14,7 +14,7 @@ from compiler.build import BuildError, build, resolve_buckets
 from models.tiny import write_tiny_checkpoint
 from runtime import ArtifactError, CompiledModel, GenerationError, default_artifact_dir
 from runtime.engine import StepFunctions
-from ir.contract import MANIFEST
+from ir.contract import MANIFEST, TargetSpec
 
 
 def _build(model_dir, out, **kw):
@@ -243,8 +243,29 @@ def test_default_buckets_are_capped_by_max_positions():
     assert resolve_buckets(None, None, max_positions=100_000).max_context == 4096
 
 
-@pytest.mark.parametrize("remaining,chunk", [(1, 16), (16, 16), (20, 16), (4, 16), (63, 16), (64, 64), (100, 64),
-                                             (255, 64), (256, 256), (1000, 256)])
-def test_prefill_chunks_waste_little_padding(remaining, chunk):
+@pytest.mark.parametrize("remaining,step_cost,plan", [
+    (1, 8, [1]), (2, 8, [1, 1]), (4, 8, [16]), (16, 8, [16]), (20, 8, [16, 16]), (63, 8, [64]), (100, 8, [64, 64]),
+    (200, 8, [64, 64, 64, 16]), (255, 8, [256]), (1000, 8, [256, 256, 256, 256]),  # float32 products
+    (20, 40, [64]), (100, 40, [64, 64]), (200, 40, [256]), (300, 40, [256, 64]),  # AMX tiles: steps cost more
+    (100, 128, [256]), (600, 128, [256, 256, 256])])  # a GPU
+def test_prefill_chunks_weigh_padding_against_steps(remaining, step_cost, plan):
+    """A prompt runs in the chunks that cost least, a step costing its rows (padding too) and a fixed share that
+    grows with how much faster the target multiplies than it reads weights (runtime.engine.STEP_COST_ROWS)."""
     from runtime.engine import prefill_chunk
-    assert prefill_chunk(remaining, [16, 64, 256]) == chunk
+    chunks = []
+    while remaining > sum(chunks):
+        chunks.append(prefill_chunk(remaining - sum(chunks), (1, 16, 64, 256), step_cost))
+    assert chunks == plan
+
+
+def test_a_model_plans_its_chunks_by_its_artifacts_target(tiny_factory):
+    """With steps of 1, 16 and 64 tokens, two prompt tokens run as two one-row steps with float32 products, as one
+    padded 16-row step where steps cost more (AMX tiles, a GPU); 20 as 16 + 16 or one padded 64."""
+    import dataclasses
+
+    model = CompiledModel(*tiny_factory(arch="qwen2"))
+    model.buckets = dataclasses.replace(model.buckets, prefill_tokens=(16, 64))
+    assert model.manifest.target.bf16_products is None and (model._chunk(2), model._chunk(20)) == (1, 16)
+    for target in (dataclasses.replace(model.manifest.target, bf16_products="amx"), TargetSpec("cuda", arch="sm_90")):
+        model.manifest = dataclasses.replace(model.manifest, target=target)
+        assert (model._chunk(2), model._chunk(20)) == (16, 64)
