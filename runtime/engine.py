@@ -154,7 +154,7 @@ class KVCache:
 # one row's products take (the machine's product rate per weight byte). On the 2-core Xeon of docs/performance.md
 # (bfloat16 weights at ~30 GB/s): float32 products ~270 GFLOP/s, ~9 rows; AMX tiles ~1200, ~40 rows; AVX512-BF16 on
 # AMD Zen 5 ~700 at ~35 GB/s, ~20 rows. A GPU's products outrun its memory further still.
-STEP_COST_ROWS = {None: 8, "avx512bf16": 20, "amx": 40, "wmma": 128}
+STEP_COST_ROWS = {None: 8, "avx512bf16": 20, "amx": 40}  # CPU builds, by where their bf16 products run
 GPU_STEP_COST_ROWS = 128
 
 
