@@ -73,6 +73,17 @@ def two_by_two(a0, a1, a_stride, b0, b1, b_stride):
 
 
 @T.macro
+def two_by_one(a0, a1, a_stride, b0, b_stride):
+    """Accumulator tiles 4 and 6 += A (tiles 0, 1 from addresses a0, a1: rows) @ B (tile 2 from b0: columns), one
+    depth of 32; strides in bytes."""
+    load(0, a0, a_stride)
+    load(1, a1, a_stride)
+    load(2, b0, b_stride)
+    dot(4, 0, 2)
+    dot(6, 1, 2)
+
+
+@T.macro
 def zero_accumulators():
     """Accumulator tiles 4..7 set to zero."""
     zero(4)
@@ -83,12 +94,14 @@ def zero_accumulators():
 
 def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     """x @ w.T (+ bias) for float32 x and bfloat16 w on AMX tiles, or None when the shape does not fit
-    (token rows, depth and outputs must be multiples of 32)."""
+    (token rows must be a multiple of 16, depth and outputs of 32). Each block of outputs takes two weight tiles
+    and, a block of token rows at a time, two activation tiles (16 rows: one)."""
     x_buf, w_buf = func.params[:2]
     m, k = (int(d) for d in x_buf.shape)
     n = int(w_buf.shape[0])
-    if w_buf.dtype != "bfloat16" or x_buf.dtype != "float32" or m % BLOCK or k % DEPTH or n % BLOCK:
+    if w_buf.dtype != "bfloat16" or x_buf.dtype != "float32" or m % TILE or k % DEPTH or n % BLOCK:
         return None
+    x_tiles = 2 if m % BLOCK == 0 else 1  # activation tiles per block of token rows
 
     @T.macro
     def products(x, w, y, first):
@@ -101,25 +114,30 @@ def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
             t0 = T.alloc_buffer((TILE, TILE), "float32")  # a tile being transposed: 1 KiB each, in registers
             t1 = T.alloc_buffer((TILE, TILE), "float32")
             tile_config(cfg)
-            for rows in range(m // BLOCK):
+            for rows in range(m // (x_tiles * TILE)):
                 zero_accumulators()
-                for s in range(k // DEPTH):  # A: two tiles of weight rows; B: two of activation rows
-                    two_by_two(T.address_of(w[task * BLOCK, s * DEPTH]),
-                               T.address_of(w[task * BLOCK + TILE, s * DEPTH]), k * 2,
-                               T.address_of(xp[rows * 2, s * TILE, 0, 0]),
-                               T.address_of(xp[rows * 2 + 1, s * TILE, 0, 0]), 64)
+                for s in range(k // DEPTH):  # A: two tiles of weight rows; B: x_tiles of activation rows
+                    if x_tiles == 2:
+                        two_by_two(T.address_of(w[task * BLOCK, s * DEPTH]),
+                                   T.address_of(w[task * BLOCK + TILE, s * DEPTH]), k * 2,
+                                   T.address_of(xp[rows * 2, s * TILE, 0, 0]),
+                                   T.address_of(xp[rows * 2 + 1, s * TILE, 0, 0]), 64)
+                    else:
+                        two_by_one(T.address_of(w[task * BLOCK, s * DEPTH]),
+                                   T.address_of(w[task * BLOCK + TILE, s * DEPTH]), k * 2,
+                                   T.address_of(xp[rows, s * TILE, 0, 0]), 64)
                 store(4, T.address_of(acc[0, 0, 0]), 64)
                 store(5, T.address_of(acc[1, 0, 0]), 64)
                 store(6, T.address_of(acc[2, 0, 0]), 64)
                 store(7, T.address_of(acc[3, 0, 0]), 64)
-                for wt, xt in T.grid(2, 2):  # acc[2 * wt + xt] is [output, token]: transposed in registers
+                for wt, xt in T.grid(2, x_tiles):  # acc[2 * wt + xt] is [output, token]: transposed in registers
                     for c in T.unroll(TILE):
                         t0[c, T.ramp(0, 1, TILE)] = acc[wt * 2 + xt, c, T.ramp(0, 1, TILE)]
                     transpose(t0, t1)
                     for r in T.unroll(TILE):  # no Let for the column: TVM 0.27 miscompiles a LetStmt inside a
                         # vectorised loop (it stored zeros)
                         for c in T.vectorized(TILE):
-                            y[rows * BLOCK + xt * TILE + r, task * BLOCK + wt * TILE + c] = (
+                            y[rows * x_tiles * TILE + xt * TILE + r, task * BLOCK + wt * TILE + c] = (
                                 t0[r, c] + first(task * BLOCK + wt * TILE + c))
             T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))
 

@@ -129,6 +129,7 @@ def _linear(sch: s_tir.Schedule, lanes: int) -> None:
 
 
 GEMV_MAX_ROWS = 16  # activation rows a weight-streaming product takes (decode steps of up to this many sequences)
+BF16_MIN_ROWS = 16  # a bf16 build's products from this many rows (one AMX tile of them) run in bfloat16; fewer: float32
 GEMV_L1_BYTES = 32 * 1024  # x rows larger than a core's L1 data cache are read one depth block at a time
 GEMV_X_BLOCK_BYTES = 16 * 1024  # ... of this many bytes of x (half of L1: the weights stream through it too)
 GEMV_TASK_ROWS = 16  # several x rows: weight rows per task, passed over depth block by depth block
@@ -462,7 +463,7 @@ def _written(func: tirx.PrimFunc, kind: str, target, attrs: dict | None) -> tirx
         return amx_awq_gemm(func) if bf16_products == "amx" else None
     if kind == "linear":
         rows = int(func.params[0].shape[0])
-        gemm = BF16_GEMMS[bf16_products](func) if bf16_products and rows > GEMV_MAX_ROWS else None
+        gemm = BF16_GEMMS[bf16_products](func) if bf16_products and rows >= BF16_MIN_ROWS else None
         return gemm if gemm is not None else _rows_gemv(func, lanes)
     if kind == "paged_attention" and attrs is not None:
         return paged_attention(func, attrs, lanes, target.bf16_attention)

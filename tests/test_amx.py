@@ -54,10 +54,10 @@ def run_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> tuple[n
 @needs_amx
 @pytest.mark.parametrize("rows,depth,cols", [(32, 32, 32), (64, 96, 160), (128, 896, 128), (32, 2048, 64)])
 @pytest.mark.parametrize("bias", [None, "bfloat16", "float32"])
-def test_amx_products_match_numpy_on_rounded_activations(rows, depth, cols, bias):
-    x = RNG.standard_normal((rows, depth)).astype(np.float32)
-    w = (RNG.standard_normal((cols, depth)) * depth ** -0.5).astype(ml_dtypes.bfloat16)
-    b = RNG.standard_normal(cols).astype(bias) if bias else None
+def test_amx_products_match_numpy_on_rounded_activations(rows, depth, cols, bias, rng=RNG):
+    x = rng.standard_normal((rows, depth)).astype(np.float32)
+    w = (rng.standard_normal((cols, depth)) * depth ** -0.5).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal(cols).astype(bias) if bias else None
     got, asm = run_linear(x, w, b)
     want = x.astype(ml_dtypes.bfloat16).astype(np.float64) @ w.astype(np.float64).T
     want += b.astype(np.float64) if bias else 0
@@ -68,6 +68,14 @@ def test_amx_products_match_numpy_on_rounded_activations(rows, depth, cols, bias
 
 
 @needs_amx
+@needs_amx
+@pytest.mark.parametrize("rows,depth,cols", [(16, 64, 64), (48, 96, 160)])
+@pytest.mark.parametrize("bias", [None, "bfloat16"])
+def test_amx_products_of_16_row_blocks_match_numpy(rows, depth, cols, bias):
+    """Token rows in blocks of 16 (a prefill chunk of 16, a step of 16 or 48 rows): one activation tile a block."""
+    test_amx_products_match_numpy_on_rounded_activations(rows, depth, cols, bias, np.random.default_rng(rows))
+
+
 def test_activations_round_to_nearest_bfloat16_ties_to_even():
     one_ulp = 2.0 ** -7  # of bfloat16 at 1.0
     values = [1 + one_ulp / 2, 1 + 3 * one_ulp / 2, 1 + one_ulp / 2 + 2 ** -20, -(1 + one_ulp / 2), 3.0e38, 1.2345e-3]  # (AMX flushes subnormals to 0)
@@ -113,8 +121,9 @@ def test_awq_shapes_that_do_not_fill_the_tiles_keep_float32_products():
 
 
 def test_shapes_that_do_not_fill_the_tiles_keep_float32_products():
-    for rows, depth, cols, dtype in [(16, 64, 64, "bfloat16"), (32, 48, 64, "bfloat16"), (32, 64, 48, "bfloat16"),
-                                     (32, 64, 64, "float16"), (32, 64, 64, "float32"), (1, 64, 64, "bfloat16")]:
+    for rows, depth, cols, dtype in [(8, 64, 64, "bfloat16"), (24, 64, 64, "bfloat16"), (32, 48, 64, "bfloat16"),
+                                     (32, 64, 48, "bfloat16"), (32, 64, 64, "float16"), (32, 64, 64, "float32"),
+                                     (1, 64, 64, "bfloat16")]:
         kernel = make_kernel("linear", [TensorType((rows, depth), "float32"), TensorType((cols, depth), dtype)], {})
         assert amx_gemm(kernel.func) is None
 
