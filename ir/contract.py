@@ -128,7 +128,7 @@ class Buckets:
     max_context: int
     kv_pages: int
     kv_block: int = 16
-    entries: tuple[str, ...] = ("step", "step_hidden")
+    entries: tuple[str, ...] = ("step", hidden_entry("step"))
     image_patches: tuple[int, ...] = ()
 
     @property

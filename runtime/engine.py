@@ -180,8 +180,8 @@ def _cheapest_plans(buckets: tuple[int, ...], step_cost: int) -> list[tuple[int,
     plan, on a tie the one of fewer steps, then the one that starts with the larger chunk (padding comes last)."""
     plans = [(0, 0, 0)]
     for remaining in range(1, 2 * buckets[-1] + 1):
-        plans.append(min((b + step_cost + plans[max(remaining - b, 0)][0], plans[max(remaining - b, 0)][1] + 1, -b)
-                         for b in buckets))
+        rests = [plans[max(remaining - b, 0)] for b in buckets]
+        plans.append(min((b + step_cost + cost, steps + 1, -b) for b, (cost, steps, _) in zip(buckets, rests)))
     return plans
 
 

@@ -68,7 +68,6 @@ def test_amx_products_match_numpy_on_rounded_activations(rows, depth, cols, bias
 
 
 @needs_amx
-@needs_amx
 @pytest.mark.parametrize("rows,depth,cols", [(16, 64, 64), (48, 96, 160)])
 @pytest.mark.parametrize("bias", [None, "bfloat16"])
 def test_amx_products_of_16_row_blocks_match_numpy(rows, depth, cols, bias):
@@ -76,6 +75,7 @@ def test_amx_products_of_16_row_blocks_match_numpy(rows, depth, cols, bias):
     test_amx_products_match_numpy_on_rounded_activations(rows, depth, cols, bias, np.random.default_rng(rows))
 
 
+@needs_amx
 def test_activations_round_to_nearest_bfloat16_ties_to_even():
     one_ulp = 2.0 ** -7  # of bfloat16 at 1.0
     values = [1 + one_ulp / 2, 1 + 3 * one_ulp / 2, 1 + one_ulp / 2 + 2 ** -20, -(1 + one_ulp / 2), 3.0e38, 1.2345e-3]  # (AMX flushes subnormals to 0)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from compiler.build import build
+from ir.contract import ATTENTION_ENTRIES, hidden_entry
 from models.tiny import write_tiny_checkpoint
 from runtime import (
     BatchExecutor,
@@ -109,8 +110,8 @@ def test_steps_of_only_unfinished_prompt_chunks_skip_the_head(model, attention_p
     calls, call = [], StepFunctions.__call__
     monkeypatch.setattr(StepFunctions, "__call__", lambda self, name, *a: calls.append(name) or call(self, name, *a))
     (finished,) = _run_all(BatchExecutor(model, ContinuousBatchConfig(2, 8)), [prompt], [config])
-    entry = {"fused": "step", "legacy": "step_gather"}[attention_path]
-    assert calls[:3] == [f"{entry}_hidden_t8_r1", f"{entry}_hidden_t8_r1", f"{entry}_t4_r1"]
+    entry = ATTENTION_ENTRIES[attention_path]
+    assert calls[:3] == [f"{hidden_entry(entry)}_t8_r1", f"{hidden_entry(entry)}_t8_r1", f"{entry}_t4_r1"]
     assert all("_hidden_" not in name for name in calls[3:])  # decode steps: each wants its token
     assert finished.generated_token_ids == generate(model, prompt, config).generated_token_ids
 
