@@ -62,7 +62,8 @@ BF16_PRODUCT_CASES = {"gemm-bf16-tensor-cores"}
 BENCH = dict(shape="qwen2.5-0.5b", dtype="bfloat16", seed=0, tokens=128, runs=3)
 DECODE_FUNCTION = "step_t1_r1"  # one token of one sequence
 H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e peak
-TIMEOUTS = {"env": 60, "kernel": 120, "model": 180, "bundle": 180, "bench": 420}
+# Seconds a case may take (a case that hangs is not rerun); the benchmark's transformers peer runs inside its case.
+TIMEOUTS = {"env": 60, "kernel": 45, "model": 90, "trace": 90, "bundle": 90, "bench": 300, "peer": 150}
 NOTE = "note: "  # a case's progress lines on stderr, kept in its record
 BUDGET_SECONDS = 450  # the whole run: no new case starts after this (the device loan is 15 minutes, start-up included)
 
@@ -86,8 +87,9 @@ def prompt_ids(vocab: int) -> list[int]:
 def cases(payload: Path, cpu: bool = False) -> list[str]:
     """Every case the payload holds, in the order they run; with `cpu`, the model cases on the CPU artifacts too."""
     listed = json.loads((payload / "cases.json").read_text())
-    return ["env", *listed["kernels"], *listed["models"], "bundle", *(["bench"] if listed["bench"] else []),
-            *([f"model:{m}:cpu" for m in listed["cpu"]] if cpu else [])]
+    traces = [f"trace:{m.split(':', 1)[1]}" for m in listed["models"]]
+    return ["env", *listed["kernels"], *listed["models"], *traces, "bundle", *(["bench"] if listed["bench"] else []),
+            *([f"{kind}:{m}:cpu" for m in listed["cpu"] for kind in ("model", "trace")] if cpu else [])]
 
 
 def run_case(payload: Path, name: str) -> dict:
@@ -103,6 +105,8 @@ def run_case(payload: Path, name: str) -> dict:
         return _kernel(payload, *rest.split(":"))
     if kind == "model":
         return _model(payload, *rest.split(":"))
+    if kind == "trace":
+        return _replay_trace(payload, *rest.split(":"))
     if kind == "bundle":
         return _bundle(payload)
     return _bench(payload)
@@ -171,6 +175,41 @@ def _model(payload: Path, model: str, path: str) -> dict:
     if tokens != [int(t) for t in ref["greedy"]]:
         raise AssertionError(f"greedy tokens differ from the CPU artifact's: {tokens} vs {ref['greedy'].tolist()}")
     return {"max_logit_error": worst, "steps": len(steps) + 1, "greedy_tokens": len(tokens)}
+
+
+def _replay_trace(payload: Path, model: str, path: str) -> dict:
+    """Each kernel call the CPU artifact made for the prompt and a decode step (`_trace`), replayed alone on this
+    device from the recorded arguments: which kernels' outputs differ (so a wrong model case names its kernel)."""
+    import tvm
+
+    calls = json.loads((payload / "traces" / f"{model}.json").read_text())
+    arrays = np.load(payload / "traces" / f"{model}.npz")
+    artifact = payload / ("cpu" if path == "cpu" else "cuda") / (model if path == "cpu" else f"{model}-{path}")
+    library = tvm.runtime.load_module(str(artifact / "model.so")).imports[0]
+    dev = tvm.cpu() if path == "cpu" else tvm.cuda(0)
+    failing = {}
+    for index, call in enumerate(calls):
+        args = [tvm.runtime.tensor(_unpacked(arrays, key), dev) for key in call["before"]]
+        library.get_function(call["kernel"], query_imports=True)(*args)
+        dev.sync()
+        for position, (got, key) in enumerate(zip(args, call["after"])):
+            want = _unpacked(arrays, key).astype(np.float64)
+            error = float(np.abs(got.numpy().astype(np.float64) - want).max()) if want.size else 0.0
+            scale = max(1.0, float(np.abs(want).max())) if want.size else 1.0
+            if not error <= 1e-4 * scale:
+                worst = failing.setdefault(call["kernel"], {"first_call": index, "calls": 0, "worst_error": 0.0})
+                worst["calls"] += 1
+                worst.update(worst_error=max(worst["worst_error"], error), argument=position, scale=scale)
+    if failing:
+        raise AssertionError(f"kernels whose outputs differ from the CPU's: {json.dumps(failing)}")
+    return {"calls": len(calls), "kernels": len({c["kernel"] for c in calls})}
+
+
+def _unpacked(arrays, key: str) -> np.ndarray:
+    """A recorded array (bfloat16 ones are kept as their uint16 bits)."""
+    import ml_dtypes
+
+    return arrays[key].view(ml_dtypes.bfloat16) if key.endswith("bf16") else arrays[key]
 
 
 def _bundle(payload: Path) -> dict:
@@ -250,7 +289,45 @@ def _bench(payload: Path) -> dict:
             "achieved_bandwidth_gb_s": round(step_bytes * decode_rate / 1e9, 1),
             "roofline_tokens_per_s": round(H200_BANDWIDTH / step_bytes, 1),
             "kernels_per_decode_step": spec["kernels_per_decode_step"],
-            "host_launches_per_decode_step": host_launches(text, DECODE_FUNCTION)}
+            "host_launches_per_decode_step": host_launches(text, DECODE_FUNCTION),
+            "transformers_peer": _transformers_peer(model_dir, prompt)}
+
+
+# The peer on the same GPU, checkpoint and prompt: the host Python's transformers (eager, bf16), if it has one.
+PEER = """
+import json, statistics, sys, time
+import torch, transformers
+model_dir, tokens, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+ids = torch.tensor([json.loads(sys.stdin.read())], device="cuda")
+model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda").eval()
+def timed(run):
+    torch.cuda.synchronize(); start = time.perf_counter(); run(); torch.cuda.synchronize()
+    return time.perf_counter() - start
+def generate(n):
+    return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+with torch.no_grad():
+    generate(4)
+    prefill = statistics.median(timed(lambda: model(ids)) for _ in range(runs))
+    whole = statistics.median(timed(lambda: generate(tokens + 1)) for _ in range(runs))
+print(json.dumps({"transformers": transformers.__version__, "torch": torch.__version__,
+                  "prefill_tokens_per_s": round(tokens / prefill, 1),
+                  "decode_tokens_per_s": round(tokens / (whole - prefill), 1)}))
+"""
+
+
+def _transformers_peer(model_dir: Path, prompt: list[int]) -> dict | str:
+    """transformers' prefill and decode rates beside ours (same run, GPU and prompt), in the host's own Python (this
+    case's runs isolated from it, -E -S); what stopped it, if it could not run."""
+    try:
+        done = subprocess.run([sys.executable, "-c", PEER, str(model_dir), str(BENCH["tokens"]), str(BENCH["runs"])],
+                              input=json.dumps(prompt), capture_output=True, text=True, timeout=TIMEOUTS["peer"],
+                              cwd=model_dir)
+    except subprocess.TimeoutExpired:
+        return f"unavailable: over {TIMEOUTS['peer']} s"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        return "unavailable: " + ((done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1])
+    return json.loads(lines[-1])
 
 
 def host_launches(module_text: str, function: str) -> dict:
@@ -268,13 +345,15 @@ def run(payload: Path, out: Path) -> int:
     results = out / "results.jsonl"
     start, statuses = time.perf_counter(), []
     names = cases(payload, cpu=bool(os.environ.get("GPU_CHECK_CPU_CASES")))
+    only = [p for p in os.environ.get("GPU_CHECK_ONLY", "").split(",") if p]  # a rerun of some cases: name prefixes
+    names = [n for n in names if n == "env" or not only or n.startswith(tuple(only))]
     for name in names:
         if time.perf_counter() - start > BUDGET_SECONDS:
             _append(results, {"case": name, "status": "skipped", "reason": "out of time"})
             statuses.append("skipped")
             continue
         record = _child(payload, name, {})
-        if record["status"] != "pass" and name != "env":
+        if record["status"] == "fail" and name != "env":
             _append(results, record)
             record = _child(payload, name, {"CUDA_LAUNCH_BLOCKING": "1"})
             record["rerun"] = "CUDA_LAUNCH_BLOCKING=1"
@@ -287,11 +366,16 @@ def run(payload: Path, out: Path) -> int:
     return 0 if statuses == ["pass"] * len(names) else 1
 
 
+def _interpreter() -> list[str]:
+    """This Python with the isolation it was started with (gpu_run.sh starts it as a bundle's launcher does)."""
+    return [sys.executable, *(["-E"] if sys.flags.ignore_environment else []), *(["-S"] if sys.flags.no_site else [])]
+
+
 def _child(payload: Path, name: str, env: dict) -> dict:
     t0 = time.perf_counter()
     timeout = TIMEOUTS[name.split(":")[0]]
     try:
-        done = subprocess.run([sys.executable, __file__, "case", str(payload), name], capture_output=True,
+        done = subprocess.run([*_interpreter(), __file__, "case", str(payload), name], capture_output=True,
                               text=True, timeout=timeout, env={**os.environ, **env})
     except subprocess.TimeoutExpired:
         return {"case": name, "status": "timeout", "seconds": timeout}
@@ -335,6 +419,7 @@ def prepare(payload: Path, models: tuple[str, ...], paths: tuple[str, ...], kern
                   quiet=True, **BUCKETS)
             listed["models"].append(f"model:{model}:{path}")
         _references(payload, model)
+        _trace(payload, model)
     model, path = BUNDLED
     bundle(payload / "cuda" / f"{model}-{path}", payload / "bundle", model_dir=payload / "models" / model,
            python="3.12")
@@ -379,6 +464,54 @@ def _references(payload: Path, model: str) -> None:
     (payload / "references").mkdir(exist_ok=True)
     np.savez(payload / "references" / f"{model}.npz", prompt=np.array(prompt), steps=np.array(steps),
              logits=np.stack(logits), greedy=np.array(greedy))
+
+
+def _trace(payload: Path, model: str) -> None:
+    """Every kernel call of the CPU artifact's steps for the prompt and one decode step, with its arguments before
+    and after the call (each distinct array stored once), for `_replay_trace`."""
+    import hashlib
+    from unittest import mock
+
+    import tvm
+    from tvm.runtime.vm import VirtualMachine
+
+    from runtime import CompiledModel
+    from runtime.artifact import OpenedArtifact
+
+    arrays, calls = {}, []
+
+    def keep(tensor) -> str:
+        a = tensor.numpy()
+        bf16 = a.dtype.name == "bfloat16"
+        a = a.view(np.uint16) if bf16 else a
+        key = hashlib.sha1(a.tobytes() + repr((a.shape, a.dtype.str)).encode()).hexdigest()[:20] + ("bf16" * bf16)
+        arrays[key] = a
+        return key
+
+    def instrument(func, symbol, before, ret, *args):
+        if not symbol.startswith("vm.builtin."):
+            if not all(isinstance(a, tvm.runtime.Tensor) for a in args):
+                raise TypeError(f"kernel {symbol} takes an argument that is not a tensor; the trace keeps tensors only")
+            keys = [keep(a) for a in args]
+            calls.append({"kernel": symbol, "before": keys}) if before else calls[-1].update(after=keys)
+        return 0
+
+    def functions(self, device):
+        vm = VirtualMachine(self.executable, device)
+        vm.set_instrument(instrument)
+        return {name: vm[name] for name in self.manifest.functions}
+
+    ref = np.load(payload / "references" / f"{model}.npz")
+    with mock.patch.object(OpenedArtifact, "functions", functions):
+        cpu = CompiledModel(payload / "models" / model, payload / "cpu" / model)
+        cache = cpu.new_cache(PROMPT_TOKENS + 2)
+        calls.clear()  # the load's own calls
+        cpu.forward([int(t) for t in ref["prompt"]], cache)
+        cpu.forward([int(ref["steps"][0])], cache)
+        cache.release()
+    (payload / "traces").mkdir(exist_ok=True)
+    np.savez_compressed(payload / "traces" / f"{model}.npz", **arrays)
+    (payload / "traces" / f"{model}.json").write_text(json.dumps(calls))
 
 
 def _bundle_reference(payload: Path) -> None:

@@ -44,6 +44,7 @@ from ir.packing import CPU_PACKINGS
 from schedules import cpu, gpu
 
 from .cuda import CudaBuildError, CudaTarget, check_with_ptxas, cuda_target, export_with_ptx, prepare_environment
+from .cuda_graphs import relax_pipeline
 from .lower import kernel_signatures, lower_program
 from .options import (
     DEFAULT_BATCH_ROWS,
@@ -270,7 +271,7 @@ def _compile(module: tvm.IRModule, tgt: CpuTarget | CudaTarget):
     prepare_environment()
     try:
         with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True}):  # see lower_program
-            return tvm.compile(module, tgt.tvm_target(), relax_pipeline="default_build",
+            return tvm.compile(module, tgt.tvm_target(), relax_pipeline=relax_pipeline(),
                                tir_pipeline=tgt.tir_pipeline())
     except Exception as e:  # TVM raises bare errors from codegen; find and name the kernel behind it
         for name, func in module.functions.items():

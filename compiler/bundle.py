@@ -60,8 +60,11 @@ if ! command -v "$python" >/dev/null 2>&1; then
     echo "error: no Python interpreter '$python' on PATH; set RUDA_PYTHON to a Python {python} interpreter" >&2
     exit 2
 fi
-PYTHONNOUSERSITE=1 TVM_USE_RUNTIME_LIB=1 exec "$python" "$here/python/{start}" "$here" "$@"
+TVM_USE_RUNTIME_LIB=1 exec "$python" {flags} "$here/python/{start}" "$here" "$@"
 """
+# The bundle's Python sees its own packages alone: no site-packages, user site or PYTHON* variables of the host (a
+# host's torch, say, would be imported by tvm_ffi and cost seconds per start).
+ISOLATED = "-E -S"
 START = "bundle_start.py"  # run as a script, so that its folder (the bundle's packages) and not the cwd leads sys.path
 START_SCRIPT = """import sys
 
@@ -207,7 +210,7 @@ def _write(tmp: Path, manifest: Manifest, artifact: Path, model_dir: Path, pytho
     if cudart is not None:
         shutil.copy2(cudart, site / "tvm" / "lib" / cudart.name)
     (site / START).write_text(START_SCRIPT)
-    (tmp / "run").write_text(LAUNCHER.format(python=python, start=START))
+    (tmp / "run").write_text(LAUNCHER.format(python=python, flags=ISOLATED, start=START))
     (tmp / "run").chmod(0o755)
     info = {"kind": BUNDLE_KIND, "format": BUNDLE_FORMAT, "python": python, "target": manifest.target.kind,
             "device": "cuda" if manifest.target.kind == "cuda" else "cpu", "artifact": "artifact", "model": "model",

@@ -118,26 +118,13 @@ def _linear(sch: s_tir.Schedule) -> None:
         _gemm(sch, block, dequant)
     elif dequant is not None:
         _packed_gemv(sch, block, dequant)
-    elif threads := _split_reduction(sch, block, LOAD_BYTES // sch.get(block).reads[1].source.dtype.itemsize):
-        _epilogue_in_block(sch, block, consumers, threads)
-        return
-    else:
+    elif not _split_reduction(sch, block, LOAD_BYTES // sch.get(block).reads[1].source.dtype.itemsize):
         _thread_per_output(sch, block)
+    # The bias add is a kernel of its own. In the split-reduction GEMV's kernel it would sit under the thread block
+    # of outputs, where TVM sizes its loop from the predicated thread loop that sums the outputs (all THREADS of it,
+    # clipped to the tensor): threads past the block's outputs would overwrite other blocks' outputs.
     for consumer in consumers:
         _bind_spatial(sch, sch.get_loops(consumer))
-
-
-def _epilogue_in_block(sch: s_tir.Schedule, block, consumers: list, threads: int) -> None:
-    """The bias add of a split-reduction GEMV in the same kernel: the thread that sums an output's partials adds its
-    bias (the same output-to-thread mapping, so it reads back only what it wrote)."""
-    outer = sch.get_loops(block)[0]  # the thread block of outputs
-    for consumer in consumers:
-        sch.reverse_compute_at(consumer, outer)
-        loops = sch.get_loops(consumer)[1:]
-        fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
-        sch.bind(sch.split(fused, [None, threads])[1], "threadIdx.x")
-    if consumers:
-        sch.set_scope(block, 0, "local")  # the sums: each thread's own, in a register
 
 
 def _packed_gemv(sch: s_tir.Schedule, block, dequant) -> None:
@@ -231,8 +218,8 @@ def _rope(sch: s_tir.Schedule) -> None:
 
 def _norm(sch: s_tir.Schedule) -> None:
     """RMSNorm (and the residual sum before it) as one kernel: a thread block per row (per group of a grouped norm).
-    Its threads write the group's residual sum, add their squares into partial sums in shared memory, one thread
-    adds the partials, and all of them scale the group. Every stage maps element e of the group to thread
+    Its threads write the group's residual sum, add their squares into partial sums in shared memory, each adds up
+    the partials, and all of them scale the group. Every stage maps element e of the group to thread
     e % threads, so a thread reads back only the sums it wrote itself; the partials and the group's sum of squares
     pass between threads through shared memory, behind block barriers."""
     *adds, sumsq, norm = stages.blocks(sch)
@@ -258,14 +245,15 @@ def _norm(sch: s_tir.Schedule) -> None:
     sch.reverse_compute_at(sch.cache_write(partial, 0, "local"), lane)  # summed in a register, then stored
     sch.decompose_reduction(partial, step)
     sch.reverse_compute_at(sumsq, row)
-    sch.set_scope(sumsq, 0, "shared")
-    lanes, unit = sch.get_loops(sumsq)[-1], sch.add_unit_loop(sumsq)
-    sch.reorder(unit, lanes)
-    thread = sch.split(unit, [None, threads])[1]
-    sch.bind(thread, "threadIdx.x")  # thread 0 adds the partials
-    sch.reverse_compute_at(sch.cache_write(sumsq, 0, "local"), thread)
     sch.reverse_compute_at(norm, row)
-    _spread(sch, norm, threads)
+    step, thread = sch.split(sch.get_loops(norm)[-1], [None, threads])
+    sch.reorder(thread, step)
+    sch.bind(thread, "threadIdx.x")
+    # Every thread adds the partials itself, in a register: one thread summing them for the others would need a
+    # predicated stage, and TVM sizes the write-back of such a stage's register from the unpredicated loop (every
+    # thread would store its unset sum).
+    sch.compute_at(sumsq, thread)
+    sch.set_scope(sumsq, 0, "local")
 
 
 def _attention(sch: s_tir.Schedule) -> None:

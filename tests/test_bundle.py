@@ -109,6 +109,22 @@ def test_cpu_bundle_holds_a_runtime_only_environment(cpu_bundle):
     assert made["bytes"] < 100 * 2**20
 
 
+def test_bundle_ignores_the_host_python_packages(cpu_bundle, tmp_path):
+    """A host's torch (which tvm_ffi imports when it can) is neither in the bundle's site-packages nor on PYTHONPATH:
+    the launcher runs Python with -E -S, so a torch that raises on import in both places changes nothing."""
+    _, out, _ = cpu_bundle
+    venv = tmp_path / "host"
+    subprocess.run([PYTHON, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site, = venv.glob("lib/python3*/site-packages")
+    for folder in (site, tmp_path / "path"):
+        (folder / "torch").mkdir(parents=True)
+        (folder / "torch" / "__init__.py").write_text(f"raise RuntimeError('the host torch in {folder} was imported')")
+    result = run_bundle(out, "generate", PROMPT, "4", env={"PYTHONPATH": str(tmp_path / "path")},
+                        python=str(venv / "bin" / "python"))
+    assert result.returncode == 0, result.stderr
+    assert len(json.loads(result.stdout.splitlines()[-1])["generated_token_ids"]) == 4
+
+
 def test_cpu_bundle_chats_as_the_chat_command(cpu_bundle):
     model_dir, out, _ = cpu_bundle
     lines = "hello there\nand again\n"

@@ -1,6 +1,7 @@
 """The one-shot GPU check, rehearsed as scripts/gpu_bundle.sh does it, on a small payload (the bundled model through
 the direct PTX path, one kernel, no benchmark): scripts/gpu_run.sh runs it under Python 3.12 with the stand-in
-driver, every GPU case gets as far as its first GPU call and is rerun, and the CPU cases pass."""
+driver, every GPU case gets as far as its first GPU call and is rerun, and the CPU cases pass (the kernel-call trace
+of the CPU artifact replays exactly, and a wrong output in it is named by its kernel)."""
 
 from __future__ import annotations
 
@@ -39,12 +40,32 @@ def test_gpu_check_rehearsal(tmp_path):
     assert env_case["case"] == "env" and env_case["status"] == "pass" and env_case["python"].startswith("3.12")
     assert env_case["driver_cuda_version"] == "13.0"
     reruns = [r for r in records if r.get("rerun") == "CUDA_LAUNCH_BLOCKING=1"]
-    assert {r["case"] for r in reruns} == {"kernel:gemv:ptx", "model:qwen2-bf16:ptx", "bundle"}
+    assert {r["case"] for r in reruns} == {"kernel:gemv:ptx", "model:qwen2-bf16:ptx", "trace:qwen2-bf16:ptx",
+                                           "bundle"}
+    final = {r["case"]: r for r in records}
+    assert final["trace:qwen2-bf16:cpu"]["status"] == "pass" and final["trace:qwen2-bf16:cpu"]["calls"] > 30
     check = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "check-rehearsal",
                             str(tmp_path / "out" / "results.jsonl"), str(payload)], cwd=ROOT, capture_output=True,
                            text=True, timeout=60)
     assert check.returncode == 0, check.stdout
     assert json.loads(check.stdout)["rehearsal"] == "ok"
+    _a_wrong_output_names_its_kernel(payload)
+
+
+def _a_wrong_output_names_its_kernel(payload: Path) -> None:
+    """The trace replay fails, naming the kernel, when one call's recorded output is not what its kernel computes."""
+    import numpy as np
+
+    from benchmarks.gpu_check import _replay_trace
+
+    traces = payload / "traces"
+    calls = json.loads((traces / "qwen2-bf16.json").read_text())
+    call = next(c for c in calls if c["before"][-1] != c["after"][-1])  # a call that wrote its last argument
+    arrays = dict(np.load(traces / "qwen2-bf16.npz"))
+    arrays[call["after"][-1]] = arrays[call["after"][-1]] + np.ones_like(arrays[call["after"][-1]])
+    np.savez(traces / "qwen2-bf16.npz", **arrays)
+    with pytest.raises(AssertionError, match=call["kernel"]):
+        _replay_trace(payload, "qwen2-bf16", "cpu")
 
 
 def test_gpu_check_stops_at_a_driver_that_is_too_old(tmp_path, monkeypatch):
