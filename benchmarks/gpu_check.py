@@ -9,12 +9,15 @@ TVM, no compiler and no network.
 
 `prepare` writes PAYLOAD: a deploy bundle (the qwen2 tiny model through the ptx path) whose Python environment
 every case uses; sm_90 CUDA artifacts of tiny Llama, Qwen2 and Qwen3.5 checkpoints through each CUDA path, with
-their transformers logits and the CPU artifact's greedy tokens as references; single-kernel modules at real
-Qwen2.5-0.5B widths with the CPU kernels' outputs (a tensor-core GEMM with numpy's bf16-rounded product); two
-0.5B-shape bf16 artifacts (the default, and bf16 prefill products on tensor cores) whose checkpoint the device
-regenerates from a seed and checks by hash. `run` needs nothing else: each case runs in its own process with a
-timeout, one JSON line per case goes to OUT/results.jsonl as it ends, a failing case is rerun once with
-CUDA_LAUNCH_BLOCKING=1 (so the error names the kernel), and a driver that is too old stops it at once.
+their transformers logits and the CPU artifact's greedy tokens as references, and each model's kernel-call trace
+(every kernel call of its CPU artifact for the prompt and a decode step, arguments before and after: replayed on
+the device, it names the kernels whose outputs differ); single-kernel modules at real Qwen2.5-0.5B widths with the
+CPU kernels' outputs (a tensor-core GEMM with numpy's bf16-rounded product); two 0.5B-shape bf16 artifacts (the
+default, and bf16 prefill products on tensor cores) whose checkpoint the device regenerates from a seed and checks
+by hash, timed beside the host's transformers and profiled kernel by kernel with ncu. `run` needs nothing else:
+each case runs in its own process (isolated from the host's packages: -E -S) with a timeout, one JSON line per
+case goes to OUT/results.jsonl as it ends, a failing case is rerun once with CUDA_LAUNCH_BLOCKING=1 (so the error
+names the kernel), and a driver that is too old stops it at once. GPU_CHECK_ONLY=PREFIX,.. runs some cases.
 
 This file is copied into the payload: the `run` side imports only the standard library, numpy and the bundle.
 """
@@ -44,6 +47,7 @@ PAGE_TABLE = np.arange(256, dtype=np.int32)[::-1].reshape(1, 256).copy()  # one 
 KERNEL_CASES = {  # real Qwen2.5-0.5B widths (arrays: int inputs as given): decode GEMV, prefill GEMM with bias, norms,
     # paged attention of a decode token at position 3001
     "gemv": ("linear", [((1, 896), "float32"), ((4864, 896), "bfloat16")], {}),
+    "gemv-vocabulary": ("linear", [((1, 896), "float32"), ((151936, 896), "bfloat16")], {}),  # the 0.5B head
     "gemm-bias": ("linear", [((64, 896), "float32"), ((1152, 896), "bfloat16"), ((1152,), "bfloat16")], {}),
     "gemm-f32": ("linear", [((32, 4864), "float32"), ((896, 4864), "float32")], {}),
     "norm-decode": ("rms_norm", [((1, 896), "float32"), ((896,), "bfloat16")], {"eps": 1e-6}),
@@ -63,7 +67,8 @@ BENCH = dict(shape="qwen2.5-0.5b", dtype="bfloat16", seed=0, tokens=128, runs=3)
 DECODE_FUNCTION = "step_t1_r1"  # one token of one sequence
 H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e peak
 # Seconds a case may take (a case that hangs is not rerun); the benchmark's transformers peer runs inside its case.
-TIMEOUTS = {"env": 60, "kernel": 45, "model": 90, "trace": 90, "bundle": 90, "bench": 300, "peer": 150}
+TIMEOUTS = {"env": 60, "kernel": 45, "model": 90, "trace": 90, "bundle": 90, "bench": 300, "peer": 150,
+            "profile": 120}
 NOTE = "note: "  # a case's progress lines on stderr, kept in its record
 BUDGET_SECONDS = 450  # the whole run: no new case starts after this (the device loan is 15 minutes, start-up included)
 
@@ -88,7 +93,8 @@ def cases(payload: Path, cpu: bool = False) -> list[str]:
     """Every case the payload holds, in the order they run; with `cpu`, the model cases on the CPU artifacts too."""
     listed = json.loads((payload / "cases.json").read_text())
     traces = [f"trace:{m.split(':', 1)[1]}" for m in listed["models"]]
-    return ["env", *listed["kernels"], *listed["models"], *traces, "bundle", *(["bench"] if listed["bench"] else []),
+    return ["env", *listed["kernels"], *listed["models"], *traces, "bundle",
+            *(["bench", "profile"] if listed["bench"] else []),
             *([f"{kind}:{m}:cpu" for m in listed["cpu"] for kind in ("model", "trace")] if cpu else [])]
 
 
@@ -109,6 +115,10 @@ def run_case(payload: Path, name: str) -> dict:
         return _replay_trace(payload, *rest.split(":"))
     if kind == "bundle":
         return _bundle(payload)
+    if kind == "profile":
+        return _profile(payload)
+    if kind == "decode-step":  # what `_profile` runs under ncu
+        return _decode_step(payload)
     return _bench(payload)
 
 
@@ -248,7 +258,7 @@ def _bench(payload: Path) -> dict:
     from runtime import CompiledModel
 
     start = time.perf_counter()
-    model_dir = regenerate_checkpoint(payload, Path(os.environ.get("GPU_CHECK_WORK", payload)))
+    model_dir = regenerate_checkpoint(payload, _work(payload))
     regenerated = time.perf_counter() - start
     print(f"{NOTE}checkpoint regenerated in {regenerated:.1f} s, sha256 matches", file=sys.stderr, flush=True)
     spec = json.loads((payload / "bench" / "checkpoint.json").read_text())
@@ -328,6 +338,61 @@ def _transformers_peer(model_dir: Path, prompt: list[int]) -> dict | str:
     if done.returncode != 0 or not lines:
         return "unavailable: " + ((done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1])
     return json.loads(lines[-1])
+
+
+def _profile(payload: Path) -> dict:
+    """Where a decode step's time goes: each kernel of the benchmark artifact's decode step timed by Nsight Compute
+    (ncu, its clocks left alone), summed by kernel function (a function runs once per layer)."""
+    import csv
+    import glob
+    import shutil
+
+    import tvm
+
+    tvm.cuda(0).compute_version  # a GPU must answer before ncu is looked for
+    ncu = shutil.which("ncu") or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu")) +
+                                           glob.glob("/usr/local/cuda/bin/ncu")), None)
+    if ncu is None:
+        raise RuntimeError("no ncu (Nsight Compute) on this machine")
+    log = _work(payload) / "ncu.csv"
+    done = subprocess.run([ncu, "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv",
+                           "--print-units", "base", "--log-file", str(log), *_interpreter(), __file__, "case",
+                           str(payload), "decode-step"], capture_output=True, text=True,
+                          timeout=TIMEOUTS["profile"] - 10)
+    if done.returncode != 0 or not log.is_file():
+        raise RuntimeError("ncu failed: " + ((done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]))
+    rows = list(csv.DictReader(line for line in log.read_text().splitlines() if line.startswith('"')))
+    scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
+    functions = {}
+    for row in rows:
+        name = re.sub(r"_kernel(_\d+)?$", "", row["Kernel Name"])
+        entry = functions.setdefault(name, {"calls": 0, "us": 0.0, "grid": row.get("Grid Size")})
+        entry["calls"] += 1
+        entry["us"] += float(row["Metric Value"].replace(",", "")) * scale.get(row["Metric Unit"], 1.0)
+    slowest = sorted(functions.items(), key=lambda kv: -kv[1]["us"])
+    return {"kernels": len(rows), "total_us": round(sum(f["us"] for f in functions.values()), 1),
+            "units": sorted({row["Metric Unit"] for row in rows}),
+            "by_function": {name: {**f, "us": round(f["us"], 1)} for name, f in slowest[:16]}}
+
+
+def _decode_step(payload: Path) -> dict:
+    """One decode step of the benchmark artifact from a fresh cache: its first call runs each kernel on its own
+    (the CUDA graph is captured after), which is what `_profile` times."""
+    from runtime import CompiledModel
+
+    model_dir = _work(payload) / "bench-checkpoint"
+    if not (model_dir / "model.safetensors").is_file():
+        model_dir = regenerate_checkpoint(payload, _work(payload))
+    model = CompiledModel(model_dir, payload / "bench" / "artifact", device="cuda")
+    cache = model.new_cache(8)
+    model.forward([1], cache)
+    cache.release()
+    return {}
+
+
+def _work(payload: Path) -> Path:
+    """Where large files go on the device (the benchmark's checkpoint): $GPU_CHECK_WORK, else the payload."""
+    return Path(os.environ.get("GPU_CHECK_WORK", payload))
 
 
 def host_launches(module_text: str, function: str) -> dict:

@@ -50,20 +50,20 @@ def _thread_per_output(sch: s_tir.Schedule, block) -> None:
     _bind_spatial(sch, split_loops(sch, block)[0])
 
 
-def _split_reduction(sch: s_tir.Schedule, block, vector: int = 1) -> int:
+def _split_reduction(sch: s_tir.Schedule, block, vector: int = 1, max_outputs: int | None = SPLIT_MAX_OUTPUTS) -> int:
     """Spread each output's reduction over up to a warp of threads of one thread block (several outputs per block).
 
     Thread t of an output sums terms t*v .. t*v+v-1 of every stride of lanes*v terms (neighbouring
     threads read neighbouring memory; with v > 1 each input's v terms come in one vector load), keeps
     its partial sum in a register and stores it to shared memory; after a block barrier one thread per
     output adds the partials. Returns the threads of a thread block, or 0 (leaving the block untouched) unless the
-    block has one reduction loop worth splitting and few enough outputs.
+    block has one reduction loop worth splitting and at most `max_outputs` outputs (None: any number).
     """
     spatial, reduction = split_loops(sch, block)
     outputs = 1
     for loop in spatial:
         outputs *= static_extent(sch, loop) or SPLIT_MAX_OUTPUTS + 1
-    if len(reduction) != 1 or outputs > SPLIT_MAX_OUTPUTS:
+    if len(reduction) != 1 or (max_outputs is not None and outputs > max_outputs):
         return 0
     depth = static_extent(sch, reduction[0])
     if depth is None:  # a length known at run time (the valid context): a warp of lanes, the last step masked
@@ -118,7 +118,9 @@ def _linear(sch: s_tir.Schedule) -> None:
         _gemm(sch, block, dequant)
     elif dequant is not None:
         _packed_gemv(sch, block, dequant)
-    elif not _split_reduction(sch, block, LOAD_BYTES // sch.get(block).reads[1].source.dtype.itemsize):
+    # Whatever the number of outputs: a thread per output would read its own weight row, 32 rows a warp load (a
+    # 151,936-row vocabulary head ran so).
+    elif not _split_reduction(sch, block, LOAD_BYTES // sch.get(block).reads[1].source.dtype.itemsize, None):
         _thread_per_output(sch, block)
     # The bias add is a kernel of its own. In the split-reduction GEMV's kernel it would sit under the thread block
     # of outputs, where TVM sizes its loop from the predicated thread loop that sums the outputs (all THREADS of it,

@@ -358,6 +358,18 @@ FUSED_CASES = {  # ops the GPU schedule keeps in few kernels: (kind, types, attr
 }
 
 
+def test_a_vocabulary_head_gemv_splits_each_dot_product():
+    """A decode GEMV with more outputs than any other reduction splits (Qwen2.5's 151,936-row head): each output's
+    dot product is spread over a warp's lanes, partial sums through shared memory, not a thread per output (which
+    would read 32 weight rows a warp load)."""
+    from compiler.kernels import make_kernel
+    from schedules import gpu
+
+    types = [_t((1, 896)), _t((151936, 896), "bfloat16")]
+    script = gpu.schedule(make_kernel("linear", types, {}).func, "linear", {}, None).script()
+    assert 'scope="shared"' in script and 'T.thread_binding(256, thread="threadIdx.x")' in script
+
+
 @pytest.mark.parametrize("case", sorted(FUSED_CASES))
 def test_fused_gpu_schedules_keep_the_semantics_in_fewer_kernels(case, monkeypatch, tmp_path):
     """Rotary embedding (its cos and sin inlined) and RMSNorm with its residual sum (a thread block per row or group)
