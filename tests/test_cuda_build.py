@@ -358,6 +358,39 @@ FUSED_CASES = {  # ops the GPU schedule keeps in few kernels: (kind, types, attr
 }
 
 
+REGISTER_CASES = {**{name: case[:3] for name, case in FUSED_CASES.items()},
+                  "gemv-bias-narrow": ("linear", [_t((1, 64)), _t((32, 64), "bfloat16"), _t((32,), "bfloat16")], {}),
+                  "gemv-rows-bias": ("linear", [_t((8, 64)), _t((64, 64), "bfloat16"), _t((64,), "bfloat16")], {}),
+                  "norm-narrow": ("rms_norm", [_t((16, 64)), _t((64,), "bfloat16")], {"eps": 1e-6}),
+                  "packed-gemv-bias": ("linear", _packed_linear(1, 32, True), {})}
+
+
+@pytest.mark.parametrize("case", sorted(REGISTER_CASES))
+def test_no_gpu_schedule_reads_a_register_its_thread_did_not_write(case):
+    """A stage that writes a register (a "local" buffer) under a thread predicate is read only under that predicate.
+    Two such reads raced on an H200 and no serial CPU replay shows them (TVM sizes a stage placed under a
+    predicated loop from the unpredicated loop): RMSNorm's thread-0 sum written back by every thread, and a fused
+    bias add run by threads past the block's outputs."""
+    import tvm_ffi
+    from tvm import s_tir
+
+    from compiler.kernels import make_kernel
+    from schedules import gpu
+
+    kind, types, attrs = REGISTER_CASES[case]
+    realizes = []
+    tvm_ffi.structural_map(gpu.schedule(make_kernel(kind, types, attrs).func, kind, attrs, None),
+                           [(s_tir.SBlockRealize, lambda r: realizes.append(r) or r)])
+    predicated = {w.source.name: str(r.predicate) for r in realizes for w in r.block.writes
+                  if w.source.scope() == "local" and str(r.predicate) != "T.bool(True)"}
+    for r in realizes:
+        for read in r.block.reads:
+            condition = predicated.get(read.source.name)
+            assert condition is None or condition in str(r.predicate), (
+                f"{r.block.name_hint} reads register {read.source.name} without the predicate ({condition}) under "
+                f"which it was written")
+
+
 def test_a_vocabulary_head_gemv_splits_each_dot_product():
     """A decode GEMV with more outputs than any other reduction splits (Qwen2.5's 151,936-row head): each output's
     dot product is spread over a warp's lanes, partial sums through shared memory, not a thread per output (which
