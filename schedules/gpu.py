@@ -222,8 +222,8 @@ def _norm(sch: s_tir.Schedule) -> None:
     """RMSNorm (and the residual sum before it) as one kernel: a thread block per row (per group of a grouped norm).
     Its threads write the group's residual sum, add their squares into partial sums in shared memory, each adds up
     the partials, and all of them scale the group. Every stage maps element e of the group to thread
-    e % threads, so a thread reads back only the sums it wrote itself; the partials and the group's sum of squares
-    pass between threads through shared memory, behind block barriers."""
+    e % threads, so a thread reads back only the sums it wrote itself; the partials pass between threads through
+    shared memory, behind a block barrier."""
     *adds, sumsq, norm = stages.blocks(sch)
     group = static_extent(sch, sch.get_loops(sumsq)[-1])
     threads = next(t for t in (NORM_THREADS, 64, 32, 16, 8, 4, 2, 1) if group % t == 0)
