@@ -83,3 +83,41 @@ def test_gpu_check_stops_at_a_driver_that_is_too_old(tmp_path, monkeypatch):
     records = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     assert [r["case"] for r in records] == ["env", "summary"]
     assert records[0]["stop"] and "driver >= 580" in records[0]["error"]
+
+
+NCU_COLUMNS = ("ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream", "Block Size",
+               "Grid Size", "Device", "CC", "Section Name", "Metric Name", "Metric Unit", "Metric Value")
+NCU_KERNELS = (("linear_abc_kernel", "(112, 1, 1)", "ns", "3,456"), ("linear_abc_kernel_1", "(4, 1, 1)", "ns", "1,000"),
+               ("rope_x_kernel", "(4, 1, 1)", "us", "2.5"))  # two kernels of one function; microseconds too
+
+
+def _ncu_log() -> str:
+    """ncu's CSV log (--csv --log-file) of NCU_KERNELS, after its own message line."""
+    rows = [NCU_COLUMNS] + [(str(i), "1", "python3", "h", name, "1", "7", "(256, 1, 1)", grid, "0", "9.0",
+                             "Command line profiler metrics", "gpu__time_duration.sum", unit, value)
+                            for i, (name, grid, unit, value) in enumerate(NCU_KERNELS)]
+    return "==PROF== Connected to process 1\n" + "".join(",".join(f'"{v}"' for v in row) + "\n" for row in rows)
+
+
+def test_profile_sums_ncu_kernel_times_per_kernel_function(tmp_path, monkeypatch):
+    """The profile case reads ncu's CSV log: a function's kernels (NAME_kernel, NAME_kernel_1) summed, units
+    converted to microseconds, the slowest function first."""
+    import stat
+    import types
+
+    import tvm
+
+    from benchmarks import gpu_check
+
+    ncu = tmp_path / "bin" / "ncu"
+    ncu.parent.mkdir()
+    (tmp_path / "log.csv").write_text(_ncu_log())
+    ncu.write_text(f'#!/bin/sh\nwhile [ "$1" != "--log-file" ]; do shift; done\ncp {tmp_path / "log.csv"} "$2"\n')
+    ncu.chmod(ncu.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{ncu.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("GPU_CHECK_WORK", str(tmp_path))
+    monkeypatch.setattr(tvm, "cuda", lambda index=0: types.SimpleNamespace(compute_version="9.0"))
+    got = gpu_check._profile(tmp_path)
+    assert got["kernels"] == 3 and got["total_us"] == 7.0 and got["units"] == ["ns", "us"]
+    assert list(got["by_function"]) == ["linear_abc", "rope_x"]
+    assert got["by_function"]["linear_abc"] == {"calls": 2, "us": 4.5, "grid": "(112, 1, 1)"}
