@@ -64,6 +64,7 @@ KERNEL_CASES = {  # real Qwen2.5-0.5B widths (arrays: int inputs as given): deco
 # of the activations rounded to bfloat16.
 BF16_PRODUCT_CASES = {"gemm-bf16-tensor-cores"}
 BENCH = dict(shape="qwen2.5-0.5b", dtype="bfloat16", seed=0, tokens=128, runs=3)
+BENCH_CHECKPOINT = "bench-checkpoint"  # the benchmark checkpoint's folder under $GPU_CHECK_WORK (1 GB, not in OUT)
 DECODE_FUNCTION = "step_t1_r1"  # one token of one sequence
 H200_BANDWIDTH = 4.8e12  # bytes/s, HBM3e peak
 # Seconds a case may take (a case that hangs is not rerun); the benchmark's transformers peer runs inside its case.
@@ -204,8 +205,10 @@ def _replay_trace(payload: Path, model: str, path: str) -> dict:
         dev.sync()
         for position, (got, key) in enumerate(zip(args, call["after"])):
             want = _unpacked(arrays, key).astype(np.float64)
-            error = float(np.abs(got.numpy().astype(np.float64) - want).max()) if want.size else 0.0
-            scale = max(1.0, float(np.abs(want).max())) if want.size else 1.0
+            if not want.size:
+                continue
+            error = float(np.abs(got.numpy().astype(np.float64) - want).max())
+            scale = max(1.0, float(np.abs(want).max()))
             if not error <= 1e-4 * scale:
                 worst = failing.setdefault(call["kernel"], {"first_call": index, "calls": 0, "worst_error": 0.0})
                 worst["calls"] += 1
@@ -228,7 +231,7 @@ def _bundle(payload: Path) -> dict:
     result = subprocess.run([str(bundle / "run"), "generate", "hello", "16"], capture_output=True, text=True,
                             env={**os.environ, "RUDA_PYTHON": sys.executable}, timeout=TIMEOUTS["bundle"])
     if result.returncode != 0:
-        raise RuntimeError((result.stderr.strip().splitlines() or ["the bundle failed"])[-1])
+        raise RuntimeError(_last_error(result))
     run = json.loads(result.stdout.splitlines()[-1])
     want = json.loads((payload / "references" / "bundle.json").read_text())["generated_token_ids"]
     if run["generated_token_ids"] != want:
@@ -242,7 +245,7 @@ def regenerate_checkpoint(payload: Path, work: Path) -> Path:
     from models.tiny import random_weights, save_weights
 
     spec = json.loads((payload / "bench" / "checkpoint.json").read_text())
-    out = work / "bench-checkpoint"
+    out = work / BENCH_CHECKPOINT
     out.mkdir(parents=True, exist_ok=True)
     config = json.loads((payload / "bench" / "config.json").read_text())
     save_weights(random_weights(config, seed=spec["seed"]), out)
@@ -336,7 +339,7 @@ def _transformers_peer(model_dir: Path, prompt: list[int]) -> dict | str:
         return f"unavailable: over {TIMEOUTS['peer']} s"
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
-        return "unavailable: " + ((done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1])
+        return "unavailable: " + _last_error(done)
     return json.loads(lines[-1])
 
 
@@ -360,7 +363,7 @@ def _profile(payload: Path) -> dict:
                            str(payload), "decode-step"], capture_output=True, text=True,
                           timeout=TIMEOUTS["profile"] - 10)
     if done.returncode != 0 or not log.is_file():
-        raise RuntimeError("ncu failed: " + ((done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]))
+        raise RuntimeError("ncu failed: " + _last_error(done))
     rows = list(csv.DictReader(line for line in log.read_text().splitlines() if line.startswith('"')))
     scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
     functions = {}
@@ -380,7 +383,7 @@ def _decode_step(payload: Path) -> dict:
     (the CUDA graph is captured after), which is what `_profile` times."""
     from runtime import CompiledModel
 
-    model_dir = _work(payload) / "bench-checkpoint"
+    model_dir = _work(payload) / BENCH_CHECKPOINT
     if not (model_dir / "model.safetensors").is_file():
         model_dir = regenerate_checkpoint(payload, _work(payload))
     model = CompiledModel(model_dir, payload / "bench" / "artifact", device="cuda")
@@ -388,6 +391,11 @@ def _decode_step(payload: Path) -> dict:
     model.forward([1], cache)
     cache.release()
     return {}
+
+
+def _last_error(done: subprocess.CompletedProcess) -> str:
+    """The last line a process that failed wrote to stderr, else its exit status."""
+    return (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
 
 
 def _work(payload: Path) -> Path:
@@ -406,12 +414,17 @@ def host_launches(module_text: str, function: str) -> dict:
 
 def run(payload: Path, out: Path) -> int:
     """Run every case, each in its own process, appending one JSON line per case to OUT/results.jsonl."""
+    names = cases(payload, cpu=bool(os.environ.get("GPU_CHECK_CPU_CASES")))
+    only = [p for p in os.environ.get("GPU_CHECK_ONLY", "").split(",") if p]  # a rerun of some cases: name prefixes
+    unmatched = [p for p in only if not any(n.startswith(p) for n in names)]
+    if unmatched:  # a misspelt prefix would run nothing but env, and pass
+        print(f"error: GPU_CHECK_ONLY: no case of this payload starts with {', '.join(unmatched)}; case kinds: "
+              f"{', '.join(sorted({n.split(':')[0] for n in names}))}", file=sys.stderr)
+        return 2
+    names = [n for n in names if n == "env" or not only or n.startswith(tuple(only))]
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
     start, statuses = time.perf_counter(), []
-    names = cases(payload, cpu=bool(os.environ.get("GPU_CHECK_CPU_CASES")))
-    only = [p for p in os.environ.get("GPU_CHECK_ONLY", "").split(",") if p]  # a rerun of some cases: name prefixes
-    names = [n for n in names if n == "env" or not only or n.startswith(tuple(only))]
     for name in names:
         if time.perf_counter() - start > BUDGET_SECONDS:
             _append(results, {"case": name, "status": "skipped", "reason": "out of time"})
@@ -558,7 +571,10 @@ def _trace(payload: Path, model: str) -> None:
             if not all(isinstance(a, tvm.runtime.Tensor) for a in args):
                 raise TypeError(f"kernel {symbol} takes an argument that is not a tensor; the trace keeps tensors only")
             keys = [keep(a) for a in args]
-            calls.append({"kernel": symbol, "before": keys}) if before else calls[-1].update(after=keys)
+            if before:
+                calls.append({"kernel": symbol, "before": keys})
+            else:
+                calls[-1]["after"] = keys
         return 0
 
     def functions(self, device):

@@ -366,7 +366,8 @@ class CompiledModel:
                   "seq_start": seq_start, "seq_len": seq_len, "seq_pos": seq_pos, "seq_slot": seq_slot}
         if self.vision is not None:
             values |= self._multimodal_values(rows, pos_of)
-        entry = ATTENTION_ENTRIES[cache.attention] if logits else hidden_entry(ATTENTION_ENTRIES[cache.attention])
+        entry = ATTENTION_ENTRIES[cache.attention]
+        entry = entry if logits else hidden_entry(entry)
         try:
             out = self._call(cache.functions, b.function_name(entry, {TOKENS: tokens, ROWS: row_bucket}), entry,
                              values, cache.tensors)

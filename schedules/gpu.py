@@ -120,7 +120,8 @@ def _linear(sch: s_tir.Schedule) -> None:
         _packed_gemv(sch, block, dequant)
     # Whatever the number of outputs: a thread per output would read its own weight row, 32 rows a warp load (a
     # 151,936-row vocabulary head ran so).
-    elif not _split_reduction(sch, block, LOAD_BYTES // sch.get(block).reads[1].source.dtype.itemsize, None):
+    elif not _split_reduction(sch, block, LOAD_BYTES // sch.get(block).reads[1].source.dtype.itemsize,
+                              max_outputs=None):
         _thread_per_output(sch, block)
     # The bias add is a kernel of its own. In the split-reduction GEMV's kernel it would sit under the thread block
     # of outputs, where TVM sizes its loop from the predicated thread loop that sums the outputs (all THREADS of it,

@@ -121,3 +121,19 @@ def test_profile_sums_ncu_kernel_times_per_kernel_function(tmp_path, monkeypatch
     assert got["kernels"] == 3 and got["total_us"] == 7.0 and got["units"] == ["ns", "us"]
     assert list(got["by_function"]) == ["linear_abc", "rope_x"]
     assert got["by_function"]["linear_abc"] == {"calls": 2, "us": 4.5, "grid": "(112, 1, 1)"}
+
+
+def test_gpu_check_refuses_a_case_prefix_that_names_no_case(tmp_path, monkeypatch, capsys):
+    """GPU_CHECK_ONLY with a misspelt prefix is an error naming it and the case kinds, before anything runs or is
+    written (else the run would hold env alone, and pass)."""
+    from benchmarks.gpu_check import run
+
+    payload = tmp_path / "payload"
+    payload.mkdir()
+    (payload / "cases.json").write_text(json.dumps({"kernels": ["kernel:gemv:ptx"], "models": ["model:qwen2-bf16:ptx"],
+                                                    "cpu": [], "bench": True}))
+    monkeypatch.setenv("GPU_CHECK_ONLY", "kernel:gemv,modle")
+    assert run(payload, tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert "no case of this payload starts with modle" in err and "bench, bundle, env, kernel, model" in err
+    assert not (tmp_path / "out").exists()
