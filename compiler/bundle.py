@@ -32,6 +32,7 @@ import models
 from ir.contract import (CUDA_LIBRARY_FOLDERS, CUDA_RUNTIME_LIBRARY, Manifest, build_command, check_built_for,
                          read_manifest, verify_files)
 from ir.errors import RudaError
+from models.gguf import gguf_file
 
 from .cuda import cuda_toolkit_root
 from .output import locked_output
@@ -117,9 +118,9 @@ def bundle(artifact: str | Path, out: str | Path, *, model_dir: str | Path | Non
 def _check_artifact(manifest: Manifest, artifact: Path, model_dir: Path) -> None:
     """The artifact must be whole and built from this checkpoint and model code with this TVM."""
     rebuild = build_command(model_dir, manifest.target.kind, artifact, manifest.build_options)
-    if not (model_dir / "config.json").is_file():
-        raise BundleError(f"{artifact} was built from {model_dir}, which has no config.json any more; pass the "
-                          "model directory with --model")
+    if not (model_dir / "config.json").is_file() and gguf_file(model_dir) is None:
+        raise BundleError(f"{artifact} was built from {model_dir}, which has no config.json (or GGUF file) any more; "
+                          "pass the model directory with --model")
     raw, config, _, dtypes = models.load_checkpoint(model_dir)
     check_built_for(manifest, artifact, (raw, config, dtypes), tvm.__version__, rebuild)
     verify_files(artifact, manifest, rebuild)
@@ -221,13 +222,14 @@ def _write(tmp: Path, manifest: Manifest, artifact: Path, model_dir: Path, pytho
 
 
 def _copy_model(model_dir: Path, dest: Path, weights: bool) -> None:
-    """The checkpoint's config, tokenizer and generation files, and its weights when asked."""
+    """The checkpoint's config, tokenizer and generation files, and its weights when asked (a GGUF file is all of
+    them: its config and tokenizer come with its weights)."""
     dest.mkdir()
     for path in sorted(model_dir.iterdir()):
         if not path.is_file():
             continue
         if path.name.endswith(WEIGHT_SUFFIXES) or path.name.endswith(".index.json"):
-            if weights and (path.suffix == ".safetensors" or path.name.endswith(".safetensors.index.json")):
+            if weights and (path.suffix in (".safetensors", ".gguf") or path.name.endswith(".safetensors.index.json")):
                 shutil.copy2(path, dest / path.name)
         elif path.suffix in METADATA_SUFFIXES:
             shutil.copy2(path, dest / path.name)

@@ -60,7 +60,8 @@ def ignored_tensors(config: DecoderConfig) -> tuple[str, ...]:
 
 
 def load_checkpoint(model_dir: str | Path) -> tuple[dict, DecoderConfig, dict[str, TensorEntry], dict[str, str]]:
-    """(raw config.json, validated config, the checkpoint's tensors, their dtypes by name).
+    """(raw config.json, validated config, the checkpoint's tensors, their dtypes by name); of a Hugging Face
+    directory or of a GGUF file (models.gguf).
 
     The checkpoint must hold exactly the tensors the config implies, each with its shape and a float dtype (int32
     for the packed words of a quantised checkpoint).
@@ -69,7 +70,8 @@ def load_checkpoint(model_dir: str | Path) -> tuple[dict, DecoderConfig, dict[st
     config = parse_config(raw, str(path))
     tensors = scan_checkpoint(model_dir)
     packed = packed_tensors(weight_shapes(config), config.quantization)
-    return raw, config, tensors, check_tensors(tensors, tensor_shapes(config), model_dir, ignored_tensors(config), packed)
+    return raw, config, tensors, check_tensors(tensors, tensor_shapes(config), model_dir, ignored_tensors(config), packed,
+                                               "its GGUF metadata" if path.suffix == ".gguf" else path.name)
 
 
 def load_checkpoint_program(model_dir: str | Path) -> tuple[dict, DecoderConfig, dict[str, TensorEntry], Program]:

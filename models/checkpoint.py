@@ -12,7 +12,12 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
+import numpy as np
+
 from ir.errors import RudaError
+
+from .ggml_types import dequantise, rope_rows_in_order
 
 FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 SAFETENSORS_DTYPES = {**FLOAT_DTYPES, "I32": "int32"}
@@ -22,6 +27,7 @@ INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER = 100 * 1024 * 1024
 ROTARY_BUFFER = "rotary_emb.inv_freq"  # a buffer older conversions saved with the weights: derived, so ignored
 _LAYER = re.compile(r"\blayers\.(\d+)\.")
+NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I32": np.int32}
 
 
 class CheckpointError(RudaError):
@@ -40,6 +46,10 @@ class TensorEntry:
     end: int
     dtype: str
     shape: tuple[int, ...]
+    encoding: str = ""
+    """A ggml block format (models.ggml_types) the values are stored in, decoded to `dtype` (F32) at load."""
+    rope_rows: int = 0
+    """The head_dim of q/k rows stored in llama.cpp's interleaved rotary order (reordered at load), or 0."""
 
 
 def _ints(*values) -> bool:
@@ -104,8 +114,23 @@ def _index_files(model_dir: Path) -> dict[str, Path]:
     return files
 
 
+def read_tensor(entry: TensorEntry, mapped) -> np.ndarray:
+    """A tensor's values from its mapped file: a view (no copy) unless they are stored as blocks or reordered."""
+    if entry.encoding:
+        array = dequantise(entry.encoding, np.frombuffer(mapped, np.uint8, entry.end - entry.start, entry.start),
+                           entry.shape)
+    else:
+        dtype = np.dtype(NUMPY_DTYPES[entry.dtype])
+        array = np.frombuffer(mapped, dtype, (entry.end - entry.start) // dtype.itemsize, entry.start).reshape(
+            entry.shape)
+    return rope_rows_in_order(array, entry.rope_rows) if entry.rope_rows else array
+
+
 def scan_checkpoint(model_dir: str | Path) -> dict[str, TensorEntry]:
-    """Every tensor of the checkpoint in `model_dir`, from `model.safetensors` or its sharded index."""
+    """Every tensor of the checkpoint in `model_dir`, from `model.safetensors`, its sharded index, or a GGUF file."""
+    from .gguf import gguf_file, gguf_tensors  # gguf reads TensorEntry from here
+    if gguf_file(model_dir) is not None:
+        return gguf_tensors(gguf_file(model_dir))
     model_dir = Path(model_dir)
     if (model_dir / SINGLE_FILE).is_file():
         return _read_header(model_dir / SINGLE_FILE)
@@ -126,27 +151,28 @@ def scan_checkpoint(model_dir: str | Path) -> dict[str, TensorEntry]:
 
 
 def check_tensors(entries: dict[str, TensorEntry], shapes: dict[str, tuple[int, ...]], model_dir: str | Path,
-                  ignored: tuple[str, ...] = (), packed: frozenset[str] = frozenset()) -> dict[str, str]:
+                  ignored: tuple[str, ...] = (), packed: frozenset[str] = frozenset(),
+                  config: str = "config.json") -> dict[str, str]:
     """Check the checkpoint holds exactly the tensors a config implies (each with its shape and a float dtype, int32
     for the `packed` words of quantised weights), besides those whose names start with an `ignored` prefix or are
-    rotary buffers; returns name -> dtype."""
+    rotary buffers; returns name -> dtype. `config` names where the config comes from, for the errors."""
     dtypes = {}
     for name, shape in shapes.items():
         entry = entries.get(name)
         if entry is None:
             raise CheckpointError(f"{model_dir}: tensor {name!r} is missing from the checkpoint; "
-                                  "the weights do not match config.json")
+                                  f"the weights do not match {config}")
         allowed = ("I32",) if name in packed else tuple(FLOAT_DTYPES)
         if entry.dtype not in allowed:
             raise CheckpointError(f"{entry.file}: tensor {name!r} has dtype {entry.dtype}; "
                                   f"supported: {', '.join(allowed)}" + (" (packed 4-bit words)" if name in packed else ""))
         if entry.shape != tuple(shape):
-            raise CheckpointError(f"{entry.file}: tensor {name!r} has shape {list(entry.shape)}, config.json implies "
-                                  f"{list(shape)}; the weights do not match config.json")
+            raise CheckpointError(f"{entry.file}: tensor {name!r} has shape {list(entry.shape)}, {config} implies "
+                                  f"{list(shape)}; the weights do not match {config}")
         count = 1
         for d in shape:
             count *= d
-        if entry.end - entry.start != count * ITEM_SIZE[entry.dtype]:
+        if not entry.encoding and entry.end - entry.start != count * ITEM_SIZE[entry.dtype]:
             raise CheckpointError(f"{entry.file}: tensor {name!r} spans {entry.end - entry.start} bytes, not the "
                                   f"{count * ITEM_SIZE[entry.dtype]} its shape and dtype need; the file is corrupt")
         dtypes[name] = SAFETENSORS_DTYPES[entry.dtype]
@@ -154,9 +180,9 @@ def check_tensors(entries: dict[str, TensorEntry], shapes: dict[str, tuple[int, 
                    and not name.endswith(ROTARY_BUFFER))
     if extra:
         layers = sorted({int(m.group(1)) for m in map(_LAYER.search, extra) if m})
-        what = (f"layers {layers[0]}..{layers[-1]} that config.json does not have" if layers else
-                f"{len(extra)} tensors config.json does not describe ({', '.join(extra[:3])}"
+        what = (f"layers {layers[0]}..{layers[-1]} that {config} does not have" if layers else
+                f"{len(extra)} tensors {config} does not describe ({', '.join(extra[:3])}"
                 f"{', ...' if len(extra) > 3 else ''})")
-        raise CheckpointError(f"{model_dir}: the checkpoint holds {what}; the weights do not match config.json: "
-                              "restore the checkpoint's own config.json")
+        raise CheckpointError(f"{model_dir}: the checkpoint holds {what}; the weights do not match {config}: "
+                              f"restore the checkpoint's own {config}")
     return dtypes

@@ -21,7 +21,9 @@ class ModelConfigError(RudaError):
 
 
 def read_config_json(model_dir: str | Path) -> tuple[dict, Path]:
-    """The parsed config.json of a model directory and its path."""
+    """The parsed config.json of a model directory and its path (for a GGUF model directory: the config its file's
+    metadata implies, and the file's path)."""
+    from .gguf import gguf_config, gguf_file, read_gguf  # gguf reads ModelConfigError from here
     if not isinstance(model_dir, (str, os.PathLike)):
         raise ModelConfigError(f"the model directory must be a path, got {type(model_dir).__name__}")
     if not str(model_dir):
@@ -29,8 +31,11 @@ def read_config_json(model_dir: str | Path) -> tuple[dict, Path]:
     path = Path(model_dir) / "config.json"
     if not Path(model_dir).is_dir():
         raise ModelConfigError(f"{model_dir}: not a directory; pass a local Hugging Face model directory")
+    if not path.is_file() and gguf_file(model_dir) is not None:
+        return gguf_config(read_gguf(gguf_file(model_dir))), gguf_file(model_dir)
     if not path.is_file():
-        raise ModelConfigError(f"{path}: missing; a model directory needs the config.json of its checkpoint")
+        raise ModelConfigError(f"{path}: missing; a model directory needs the config.json of its checkpoint (or "
+                               "a GGUF file alone)")
     return read_json_object(path), path
 
 

@@ -1,4 +1,5 @@
-"""Rotary embedding frequencies, including the Llama 3 and linear scaling rules."""
+"""Rotary embedding frequencies, including the Llama 3 and linear scaling rules, and the per-frequency divisors a
+GGUF file stores instead of Llama 3's rule."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import math
 
 from .config import ConfigReader
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
 def read_rope(cfg: ConfigReader) -> tuple[float, dict | None]:
@@ -38,6 +39,12 @@ def inv_freq(cfg: ConfigReader, rotary_dim: int, theta: float, scaling: dict | N
     if kind == "linear":
         factor = s.float("factor")
         return [f / factor for f in base]
+    if kind == "freq_factors":
+        factors = s.get("factors")
+        if not isinstance(factors, list) or len(factors) != len(base) or not all(
+                isinstance(v, float) and math.isfinite(v) and v > 0 for v in factors):
+            raise s.error("factors", f"must be {len(base)} positive numbers, one per rotary frequency")
+        return [f / v for f, v in zip(base, factors)]
     return _llama3(s, base)
 
 

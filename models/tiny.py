@@ -33,6 +33,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from ir.errors import add_debug_flag, run_cli
 from ir.packing import AWQ_ORDER, AWQ_PACK
 from models import checkpoint_tensor_shapes
+from models.pretokenize import LLAMA3_SPLIT, QWEN2_SPLIT
 from models.quantization import AWQ_PARTS, AwqQuantization
 
 ARCHS = ("qwen2", "llama", "qwen3_5_text", "qwen3_5")
@@ -42,10 +43,6 @@ DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.f
 _QWEN2_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 _QWEN35_SPECIALS = _QWEN2_SPECIALS + ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 _LLAMA_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
-
-# Pre-tokenizer split patterns of Qwen2 and Llama 3 (they differ only in how digits group).
-_QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-_LLAMA3_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 # The chat template of Qwen2.5-Instruct, verbatim.
 _QWEN2_CHAT_TEMPLATE = r"""{%- if tools %}
@@ -181,7 +178,7 @@ def build_tokenizer(arch: str, vocab_size: int) -> Tokenizer:
         tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(_QWEN2_SPLIT if qwen2 else _LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT if qwen2 else LLAMA3_SPLIT), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=not qwen2, use_regex=False),
         ]
     )

@@ -14,6 +14,9 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ir.errors import RudaError
+from models.gguf import gguf_file, read_gguf
+
+from .gguf_tokenizer import gguf_special_tokens
 
 ROLES = ("system", "user", "assistant")
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -73,13 +76,19 @@ def _read_json(path: Path) -> dict:
     return value
 
 
+def _gguf_chat_config(path: Path) -> dict:
+    """A GGUF file's chat template and special tokens, as a tokenizer_config.json would hold them."""
+    gguf = read_gguf(path)
+    return {"chat_template": gguf.metadata.get("tokenizer.chat_template"), **gguf_special_tokens(gguf)}
+
+
 class ChatTemplate:
     """A checkpoint's chat template with the special tokens it may refer to."""
 
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
-        path = model_dir / "tokenizer_config.json"
-        config = _read_json(path) if path.is_file() else {}
+        path = gguf_file(model_dir) or model_dir / "tokenizer_config.json"
+        config = _gguf_chat_config(path) if path.suffix == ".gguf" else _read_json(path) if path.is_file() else {}
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: use the default one
             template = next((t.get("template") for t in template if isinstance(t, Mapping)

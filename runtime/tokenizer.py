@@ -1,4 +1,4 @@
-"""The checkpoint's tokenizer (`tokenizer.json`) and its default end-of-sequence ids."""
+"""The checkpoint's tokenizer (`tokenizer.json`, or a GGUF file's metadata) and its default end-of-sequence ids."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from ir.errors import RudaError
 from models.config import ConfigReader
+from models.gguf import gguf_file, read_gguf
+
+from .gguf_tokenizer import GgufTokenizerError, gguf_tokenizer
 
 
 class TokenizerError(RudaError):
@@ -18,9 +21,16 @@ class TokenizerError(RudaError):
 
 
 class Tokenizer:
-    """Text <-> token ids with the checkpoint's own tokenizer.json."""
+    """Text <-> token ids with the checkpoint's own tokenizer.json (or the tokenizer its GGUF file describes)."""
 
     def __init__(self, model_dir: str | Path):
+        gguf = gguf_file(model_dir)
+        if gguf is not None:
+            try:
+                self._tok = gguf_tokenizer(read_gguf(gguf))
+            except GgufTokenizerError as e:
+                raise TokenizerError(f"{gguf}: {e}") from None
+            return
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"{path}: missing; copy the checkpoint's tokenizer.json into the model directory")

@@ -1,5 +1,5 @@
-"""Loading params from checkpoint tensors (single or sharded safetensors, f32/f16/bf16) into device memory, each
-made by its transform of the weight map.
+"""Loading params from checkpoint tensors (single or sharded safetensors, f32/f16/bf16, or a GGUF file) into device
+memory, each made by its transform of the weight map.
 
 Weights keep their checkpoint dtype: bf16 stays bf16 and is widened inside the kernels. A tensor holding
 NaN or infinity gives a warning naming it (the model still loads: its output will likely be garbage).
@@ -11,27 +11,19 @@ import mmap
 import warnings
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import tvm
 
 from ir.contract import ParamSpec
 from ir.errors import RudaWarning
 from ir.packing import PAIR_SLOTS, awq_tile_words, pair_tile_words
-from models.checkpoint import CheckpointError, TensorEntry
+from models.checkpoint import CheckpointError, TensorEntry, read_tensor
 
 from .cpu import tensor_memory
 
-NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I32": np.int32}
 # The exponent bits of each dtype: all set means infinity or NaN.
 EXPONENT_MASKS = {"F32": (np.uint32, 0x7F800000), "F16": (np.uint16, 0x7C00), "BF16": (np.uint16, 0x7F80)}
 _CHUNK = 1 << 22  # elements checked at a time
-
-
-def read_tensor(entry: TensorEntry, mapped: mmap.mmap) -> np.ndarray:
-    """A tensor's data as a numpy array over the mapped file (no copy)."""
-    return np.frombuffer(mapped, dtype=NUMPY_DTYPES[entry.dtype], count=(entry.end - entry.start) // np.dtype(
-        NUMPY_DTYPES[entry.dtype]).itemsize, offset=entry.start).reshape(entry.shape)
 
 
 def nonfinite_count(array: np.ndarray, dtype: str) -> int:

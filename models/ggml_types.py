@@ -1,0 +1,118 @@
+"""llama.cpp's tensor types (ggml) as GGUF files store them, and their decoding into float32 (numpy only).
+
+A block type stores a row in blocks of 32 values (256 for the K-quants), each block its own scales. Decoding
+follows llama.cpp's `dequantize_row_*` arithmetic (float32, in its order), so every value is the float llama.cpp
+itself computes before its products.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# ggml type id -> (name, values per block, bytes per block); names as llama.cpp spells them
+RAW_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2)}
+BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
+               8: ("Q8_0", 32, 34), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
+               13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
+OTHER_TYPES = {15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S",
+               22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M"}
+SUPPORTED = ", ".join(name for name, _, _ in (*RAW_TYPES.values(), *BLOCK_TYPES.values()))
+_BLOCK_BYTES = {name: size for name, _, size in BLOCK_TYPES.values()}
+_TWO_BIT_SHIFTS = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+
+
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at byte `at` of each block, as float32 [blocks, 1]."""
+    return blocks[:, at:at + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Bytes [blocks, k] -> [blocks, 2k]: the low nibbles, then the high ones."""
+    return np.concatenate([qs & 0xF, qs >> 4], axis=1)
+
+
+def _fifth_bits(blocks: np.ndarray, at: int) -> np.ndarray:
+    """Q5_0 / Q5_1's 32 high bits (a little-endian word at byte `at`), as 0 or 16 per value."""
+    bits = np.unpackbits(blocks[:, at:at + 4], axis=1, bitorder="little")
+    return bits * np.uint8(16)
+
+
+def _two_bits(qs: np.ndarray) -> np.ndarray:
+    """Q2_K / Q3_K's 2-bit values: [blocks, 64] bytes -> [blocks, 256] (each 32 bytes give 4 x 32 values)."""
+    return ((qs.reshape(-1, 2, 1, 32) >> _TWO_BIT_SHIFTS) & 3).reshape(-1, 256)
+
+
+def _k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit minimums of its 32-value sub-blocks."""
+    scales = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)], axis=1)
+    mins = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
+    return scales.astype(np.float32), mins.astype(np.float32)
+
+
+def _k4_layout(qs: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K's nibbles [blocks, 128] -> [blocks, 256]: each 32 bytes give their low, then their high nibbles."""
+    chunks = qs.reshape(-1, 4, 1, 32)
+    return np.concatenate([chunks & 0xF, chunks >> 4], axis=2).reshape(-1, 256)
+
+
+def _sub_blocks(values: np.ndarray, scale: np.ndarray, size: int) -> np.ndarray:
+    """Each `size`-value run of `values` [blocks, n] times its scale [blocks, n / size]."""
+    return (values.reshape(len(values), -1, size) * scale[:, :, None]).reshape(len(values), -1)
+
+
+def _q3_k_scales(s: np.ndarray) -> np.ndarray:
+    """Q3_K's 12 bytes -> 16 six-bit signed scales (low nibbles from bytes 0-7, high bit pairs from bytes 8-11)."""
+    low, high = s[:, 0:8], s[:, 8:12]
+    packed = np.concatenate([low[:, 0:4] & 0xF, low[:, 4:8] & 0xF, low[:, 0:4] >> 4, low[:, 4:8] >> 4], axis=1)
+    pairs = np.concatenate([(high >> shift) & 3 for shift in (0, 2, 4, 6)], axis=1)
+    return (packed | (pairs << 4)).astype(np.float32) - 32
+
+
+def _decode(encoding: str, b: np.ndarray) -> np.ndarray:
+    """Blocks [n, bytes] of `encoding` -> float32 [n, values]."""
+    if encoding == "Q8_0":
+        return _half(b, 0) * b[:, 2:].view(np.int8).astype(np.float32)
+    if encoding == "Q4_0":
+        return _half(b, 0) * (_nibbles(b[:, 2:]).astype(np.float32) - 8)
+    if encoding == "Q4_1":
+        return _half(b, 0) * _nibbles(b[:, 4:]).astype(np.float32) + _half(b, 2)
+    if encoding == "Q5_0":
+        return _half(b, 0) * ((_nibbles(b[:, 6:]) | _fifth_bits(b, 2)).astype(np.float32) - 16)
+    if encoding == "Q5_1":
+        return _half(b, 0) * (_nibbles(b[:, 8:]) | _fifth_bits(b, 4)).astype(np.float32) + _half(b, 2)
+    if encoding == "Q2_K":
+        scales = b[:, 0:16]
+        d, m = _half(b, 80) * (scales & 0xF).astype(np.float32), _half(b, 82) * (scales >> 4).astype(np.float32)
+        return _sub_blocks(_two_bits(b[:, 16:80]).astype(np.float32), d, 16) - np.repeat(m, 16, axis=1)
+    if encoding == "Q3_K":
+        high = np.unpackbits(b[:, 0:32, None], axis=2, bitorder="little")  # [n, 32 values, 8 bit planes]
+        missing = (1 - high.transpose(0, 2, 1).reshape(-1, 256)).astype(np.float32) * 4  # plane = chunk of 32
+        q = _two_bits(b[:, 32:96]).astype(np.float32) - missing
+        return _sub_blocks(q, _half(b, 108) * _q3_k_scales(b[:, 96:108]), 16)
+    if encoding in ("Q4_K", "Q5_K"):
+        scales, mins = _k4_scales(b[:, 4:16])
+        q = _k4_layout(b[:, 16:144] if encoding == "Q4_K" else b[:, 48:176])
+        if encoding == "Q5_K":
+            bits = np.unpackbits(b[:, 16:48, None], axis=2, bitorder="little")  # bit j: chunk j of 32 values
+            q = q | (bits.transpose(0, 2, 1).reshape(-1, 256) * np.uint8(16))
+        d, m = _half(b, 0) * scales, _half(b, 2) * mins
+        return _sub_blocks(q.astype(np.float32), d, 32) - np.repeat(m, 32, axis=1)
+    if encoding == "Q6_K":
+        ql, qh = b[:, 0:128].reshape(-1, 2, 2, 32), b[:, 128:192].reshape(-1, 2, 1, 32)  # [n, half, 2, 32]
+        low = np.concatenate([ql & 0xF, ql >> 4], axis=2)  # [n, half, 4, 32]
+        high = (qh >> _TWO_BIT_SHIFTS) & 3
+        q = (low | (high << 4)).reshape(-1, 256).astype(np.float32) - 32
+        return _sub_blocks(q, _half(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32), 16)
+    raise ValueError(f"no decoding for {encoding}")
+
+
+def dequantise(encoding: str, raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The float32 values of a tensor of `shape` stored as blocks of `encoding` (`raw`: its bytes, uint8)."""
+    return _decode(encoding, np.ascontiguousarray(raw).reshape(-1, _BLOCK_BYTES[encoding])).reshape(shape)
+
+
+def rope_rows_in_order(array: np.ndarray, head_dim: int) -> np.ndarray:
+    """q or k rows as llama.cpp's converter writes them for Llama (each head's two rotary halves interleaved), in
+    Hugging Face's order (each head's first half, then its second)."""
+    heads = array.shape[0] // head_dim
+    return array.reshape(heads, head_dim // 2, 2, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)

@@ -1,0 +1,247 @@
+"""GGUF model files: Llama and Qwen2 in every supported tensor type run as transformers runs the same values, their
+tokenizers encode as the checkpoints' own, and each way a file can be wrong gets an error naming it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+import gguf
+import numpy as np
+import pytest
+from gguf_fixture import permute_for_llama_cpp, random_blocks, write_gguf
+
+import models
+from compiler.build import build
+from models.checkpoint import CheckpointError, read_tensor, scan_checkpoint
+from models.config import ModelConfigError
+from models.ggml_types import BLOCK_TYPES, dequantise, rope_rows_in_order
+from models.gguf import GgufFile
+from models.tiny import write_tiny_checkpoint
+from runtime import CompiledModel, load_pipeline
+from runtime.gguf_tokenizer import gguf_tokenizer
+from runtime.tokenizer import Tokenizer, TokenizerError
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from test_models_vs_transformers import assert_greedy_matches, assert_steps_match  # noqa: E402
+
+CASES = {
+    "qwen2-q8_0-tied": (dict(arch="qwen2", tie_word_embeddings=True, seed=5), "Q8_0", False),
+    "llama-gqa-q4_0": (dict(arch="llama", seed=6), "Q4_0", False),
+    "llama-mqa-headdim-llama3rope-q4_1": (dict(
+        arch="llama", num_attention_heads=4, num_key_value_heads=1, head_dim=24, seed=7, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32}), "Q4_1", True),
+    "qwen2-untied-bf16": (dict(arch="qwen2", tie_word_embeddings=False, seed=8), "BF16", False),
+    "llama-f16": (dict(arch="llama", seed=9), "F16", False),
+    "qwen2-q5_0": (dict(arch="qwen2", seed=10), "Q5_0", False),
+    # the K-quants' blocks of 256 need rows of 256 and more
+    "llama-q4_k": (dict(arch="llama", hidden_size=256, intermediate_size=512, seed=11), "Q4_K", False),
+    "qwen2-q6_k": (dict(arch="qwen2", hidden_size=256, intermediate_size=512, seed=12), "Q6_K", False),
+}
+TEXTS = ["Hello world, 12345 don't stop", "  two  spaces\n\nand\ttabs!", "héllo 北京 ünïcode",
+         "<|im_start|>user x", "<|begin_of_text|>a", ""]
+
+
+def llama3_rope_freqs(config: dict) -> np.ndarray:
+    """The frequency divisors llama.cpp's converter stores for a Llama 3 rope_scaling (transformers' frequencies)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    hf = LlamaConfig(**config)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    dim = config["head_dim"]
+    base = 1.0 / config["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    return (base / scaled.double().numpy()).astype(np.float32)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    """(our model on the GGUF, transformers on a float32 checkpoint of the values the GGUF stores, qtype, dirs)."""
+    options, qtype, rope_freqs = CASES[request.param]
+    root = tmp_path_factory.mktemp("gguf")
+    model_dir = write_tiny_checkpoint(root / "hf", **options)
+    config = json.loads((model_dir / "config.json").read_text())
+    path = write_gguf(model_dir, root / "gguf", qtype, reference=root / "reference",
+                      rope_freqs=llama3_rope_freqs(config) if rope_freqs else None)
+    artifact = build(path.parent, out=root / "artifact", prefill_buckets=(8, 16), max_context=128, quiet=True).path
+    hf = transformers.AutoModelForCausalLM.from_pretrained(root / "reference", dtype=torch.float32).eval()
+    return CompiledModel(path.parent, artifact), hf, qtype, model_dir
+
+
+@pytest.mark.parametrize("prompt_len", (1, 24))
+def test_gguf_model_prefill_and_decode_match_transformers_on_the_stored_values(case, prompt_len):
+    ours, hf, _, _ = case
+    prompt = [int(t) for t in np.random.default_rng(prompt_len).integers(0, ours.config.vocab_size, prompt_len)]
+    assert_steps_match(ours, hf, prompt, 12)
+
+
+def test_gguf_model_greedy_generation_matches_transformers(case):
+    ours, hf, _, _ = case
+    assert_greedy_matches(ours, hf, [3, 14, 15, 92, 65], 16)
+
+
+def test_gguf_weights_are_decoded_and_reordered_at_load(case):
+    """Block types are dequantised (the entries say so), Llama's q and k rows come back in Hugging Face's order: each
+    equals the reference checkpoint's tensor bit for bit."""
+    ours, _, qtype, _ = case
+    entries = scan_checkpoint(ours.model_dir)
+    reference = {e.name: e for e in scan_checkpoint(ours.model_dir.parent / "reference").values()}
+    q = entries["model.layers.0.self_attn.q_proj.weight"]
+    assert q.encoding == (qtype if qtype.startswith("Q") else "")
+    assert q.rope_rows == (ours.config.head_dim if ours.config.model_type == "llama" else 0)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
+                 "model.layers.0.mlp.down_proj.weight", "model.norm.weight"):
+        with open(entries[name].file, "rb") as a, open(reference[name].file, "rb") as b:
+            got, want = read_tensor(entries[name], a.read()), read_tensor(reference[name], b.read())
+        np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+
+
+def test_gguf_tokenizer_and_chat_template_are_the_checkpoints(case):
+    ours, _, _, model_dir = case
+    theirs = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tok = Tokenizer(ours.model_dir)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == theirs.encode(text), text
+        assert tok.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    pipeline = load_pipeline(ours.model_dir, ours.artifact)
+    assert pipeline.render_chat(messages) == theirs.apply_chat_template(messages, tokenize=False,
+                                                                       add_generation_prompt=True)
+    eos = json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"]
+    assert pipeline.default_eos_token_ids == [eos[0] if isinstance(eos, list) else eos]
+
+
+@pytest.mark.parametrize("qtype", sorted(name for name, _, _ in BLOCK_TYPES.values()))
+def test_block_dequantisation_matches_gguf_py(qtype):
+    """Random blocks (random quants and scale bits, scales kept finite) decode bit for bit as llama.cpp's gguf-py
+    decodes them."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    blocks = random_blocks(6, 4 * gguf.GGML_QUANT_SIZES[kind][0], qtype, np.random.default_rng(0))
+    got = dequantise(qtype, blocks.reshape(-1), (6, 4 * gguf.GGML_QUANT_SIZES[kind][0]))
+    assert np.isfinite(got).all() and np.abs(got).max() > 0
+    np.testing.assert_array_equal(got, gguf.quants.dequantize(blocks, kind).astype(np.float32))
+
+
+def test_every_end_of_generation_token_stops_generation(tmp_path):
+    """llama.cpp stops on the end-of-turn token (Llama 3 and Qwen2 instruct models mark it) as on EOS."""
+    model_dir = write_tiny_checkpoint(tmp_path / "hf", arch="qwen2")
+    eos = json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"]
+    eos = eos[0] if isinstance(eos, list) else eos
+    path = write_gguf(model_dir, tmp_path / "gguf", "F16", metadata={"tokenizer.ggml.eot_token_id": eos - 1})
+    assert models.load_config(path.parent).eos_token_ids == (eos, eos - 1)
+
+
+def test_llama_rope_rows_undo_the_converters_permutation():
+    w = np.arange(48 * 3, dtype=np.float32).reshape(48, 3)
+    np.testing.assert_array_equal(rope_rows_in_order(permute_for_llama_cpp(w, 4), 12), w)
+
+
+def test_sentencepiece_gguf_tokenizer_encodes_as_sentencepiece(tmp_path):
+    """A SentencePiece BPE vocabulary (Llama 2, TinyLlama) as llama.cpp stores it: pieces, scores and types, no
+    merges; ours encodes and decodes as sentencepiece itself, BOS first, unknown characters as bytes (trained as
+    Llama 2's was: no normalisation, spaces kept)."""
+    spm = pytest.importorskip("sentencepiece")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(["The quick brown fox jumps over the lazy dog.", "Hello, world! Hello again.",
+                                 "Numbers like 12345 and 678 are here.", "a b c d e f g h i j k l m n o p"] * 20))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=400,
+                                   model_type="bpe", byte_fallback=True, character_coverage=1.0,
+                                   normalization_rule_name="identity", remove_extra_whitespaces=False,
+                                   bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    types = [3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i) else 1
+             for i in range(len(pieces))]
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": pieces, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.scores": [sp.get_score(i) for i in range(len(pieces))], "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}
+    tok = gguf_tokenizer(GgufFile(tmp_path / "x.gguf", meta, {}))
+    for text in ["The quick brown fox", "Hello, world!  Two spaces", "unseen: zebra QX 北", "12345678", " lead"]:
+        want = sp.encode(text)
+        assert tok.encode(text).ids == [1] + want, text
+        assert tok.decode(want) == sp.decode(want)
+
+
+# ---- errors: each names the file and what to do ----
+
+@pytest.fixture
+def gguf_dir(tmp_path):
+    model_dir = write_tiny_checkpoint(tmp_path / "hf", arch="qwen2")
+    return model_dir, write_gguf(model_dir, tmp_path / "gguf", "Q8_0")
+
+
+def _build(path, tmp_path):
+    return build(path.parent, out=tmp_path / "artifact", prefill_buckets=(8,), max_context=32, quiet=True)
+
+
+def test_a_file_that_is_not_gguf(gguf_dir, tmp_path):
+    _, path = gguf_dir
+    path.write_bytes(b"PK\x03\x04" + path.read_bytes()[4:])
+    with pytest.raises(CheckpointError, match=r"not a GGUF file .*pass a llama.cpp GGUF model file"):
+        _build(path, tmp_path)
+    assert not (tmp_path / "artifact").exists()
+
+
+def test_an_unsupported_gguf_version(gguf_dir, tmp_path):
+    _, path = gguf_dir
+    data = bytearray(path.read_bytes())
+    data[4:8] = struct.pack("<I", 1)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="GGUF version 1; supported: 2, 3"):
+        _build(path, tmp_path)
+
+
+def test_a_file_truncated_in_its_header_or_its_data(gguf_dir, tmp_path):
+    _, path = gguf_dir
+    data = path.read_bytes()
+    path.write_bytes(data[:200])
+    with pytest.raises(CheckpointError, match="ends inside its header .*download it again"):
+        _build(path, tmp_path)
+    path.write_bytes(data[:-100])
+    with pytest.raises(CheckpointError, match="lies beyond the end of the file; the file is truncated"):
+        _build(path, tmp_path)
+
+
+def test_an_unsupported_tensor_type_is_named(tmp_path):
+    model_dir = write_tiny_checkpoint(tmp_path / "hf", arch="qwen2")
+    path = write_gguf(model_dir, tmp_path / "gguf", "IQ4_NL")
+    with pytest.raises(CheckpointError, match=r"'token_embd.weight' is stored as IQ4_NL; supported: F32, F16, BF16, "
+                                              r"Q4_0, .*, Q6_K; convert or quantise"):
+        _build(path, tmp_path)
+
+
+def test_an_unsupported_architecture_or_split_file(tmp_path):
+    model_dir = write_tiny_checkpoint(tmp_path / "hf", arch="qwen2")
+    path = write_gguf(model_dir, tmp_path / "gemma", "F16", metadata={"general.architecture": "gemma"})
+    with pytest.raises(ModelConfigError, match="general.architecture is 'gemma'; GGUF files of llama, qwen2"):
+        _build(path, tmp_path)
+    path = write_gguf(model_dir, tmp_path / "split", "F16", metadata={"split.count": 3})
+    with pytest.raises(ModelConfigError, match="one of 3 parts; merge them"):
+        _build(path, tmp_path)
+
+
+def test_metadata_that_does_not_match_the_tensors(tmp_path):
+    model_dir = write_tiny_checkpoint(tmp_path / "hf", arch="qwen2")
+    config = json.loads((model_dir / "config.json").read_text())
+    path = write_gguf(model_dir, tmp_path / "gguf", "F16",
+                      metadata={"qwen2.feed_forward_length": config["intermediate_size"] * 2})
+    with pytest.raises(CheckpointError, match="has shape .*its GGUF metadata implies .*the weights do not match its "
+                                              "GGUF metadata"):
+        _build(path, tmp_path)
+
+
+def test_two_gguf_files_in_one_directory(gguf_dir, tmp_path):
+    _, path = gguf_dir
+    shutil.copy(path, path.parent / "other.gguf")
+    with pytest.raises(CheckpointError, match="holds 2 GGUF files .*move the others out"):
+        _build(path, tmp_path)
+
+
+def test_an_unsupported_tokenizer_model(tmp_path):
+    model_dir = write_tiny_checkpoint(tmp_path / "hf", arch="qwen2")
+    path = write_gguf(model_dir, tmp_path / "gguf", "F16", metadata={"tokenizer.ggml.model": "bert"})
+    with pytest.raises(TokenizerError, match="tokenizer.ggml.model 'bert'; supported: 'gpt2'"):
+        Tokenizer(path.parent)
