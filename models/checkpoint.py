@@ -47,7 +47,7 @@ class TensorEntry:
     dtype: str
     shape: tuple[int, ...]
     encoding: str = ""
-    """A ggml block format (models.ggml_types) the values are stored in, decoded to `dtype` (F32) at load."""
+    """A ggml block format (models.ggml_types) the values are stored in, decoded and rounded to `dtype` at load."""
     rope_rows: int = 0
     """The head_dim of q/k rows stored in llama.cpp's interleaved rotary order (reordered at load), or 0."""
 
@@ -118,7 +118,7 @@ def read_tensor(entry: TensorEntry, mapped) -> np.ndarray:
     """A tensor's values from its mapped file: a view (no copy) unless they are stored as blocks or reordered."""
     if entry.encoding:
         array = dequantise(entry.encoding, np.frombuffer(mapped, np.uint8, entry.end - entry.start, entry.start),
-                           entry.shape)
+                           entry.shape).astype(NUMPY_DTYPES[entry.dtype])
     else:
         dtype = np.dtype(NUMPY_DTYPES[entry.dtype])
         array = np.frombuffer(mapped, dtype, (entry.end - entry.start) // dtype.itemsize, entry.start).reshape(

@@ -4,8 +4,9 @@ the loaders need from them: a config.json-like dict, the tensors under Hugging F
     MODEL_DIR/NAME.gguf    one GGUF file and no config.json: the model, its tokenizer and its chat template
 
 Tensors stored as F32, F16 or BF16 are used as they are; the block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the
-K-quants Q2_K..Q6_K, models.ggml_types) are dequantised into float32 when the weights are loaded, to the values
-llama.cpp computes. Llama's q and k rows, which llama.cpp's converter interleaves for its rotary layout, are put
+K-quants Q2_K..Q6_K, models.ggml_types) are dequantised when the weights are loaded, to the values llama.cpp
+computes, rounded to float16 (BLOCK_DTYPE: half the bytes of float32 for every decode step to read, within 2^-11 of
+each value, some 40x finer than llama.cpp's own rounding of the activations for its quantised products). Llama's q and k rows, which llama.cpp's converter interleaves for its rotary layout, are put
 back in Hugging Face's order at load.
 """
 
@@ -27,6 +28,7 @@ MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 ARCHITECTURES = ("llama", "qwen2")
+BLOCK_DTYPE = "F16"  # what a block type's values are held as once decoded
 # metadata value type id -> struct format of a scalar (8: string, 9: array)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
@@ -157,11 +159,11 @@ def _parsed(path: Path, mtime_ns: int, size: int) -> GgufFile:
 
 
 def _entry(path: Path, name: str, shape: tuple[int, ...], kind: int, begin: int, size: int) -> TensorEntry:
-    """A tensor's entry: raw types as their safetensors dtype, block types decoded to F32 at load."""
+    """A tensor's entry: raw types as their safetensors dtype, block types decoded to BLOCK_DTYPE at load."""
     if kind in RAW_TYPES:
         encoding, (dtype, per_block, block_bytes) = "", RAW_TYPES[kind]
     elif kind in BLOCK_TYPES:
-        (encoding, per_block, block_bytes), dtype = BLOCK_TYPES[kind], "F32"
+        (encoding, per_block, block_bytes), dtype = BLOCK_TYPES[kind], BLOCK_DTYPE
     else:
         raise CheckpointError(f"{path}: tensor {name!r} is stored as {OTHER_TYPES.get(kind, f'ggml type {kind}')}; "
                               f"supported: {SUPPORTED}; convert or quantise the model to one of those")
@@ -223,8 +225,7 @@ def gguf_config(gguf: GgufFile) -> dict:
         "rope_theta": field("rope.freq_base", 10000.0),
         "max_position_embeddings": field("context_length", 2048),
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
-        "dtype": {"F16": "float16", "BF16": "bfloat16"}.get(embed.dtype if embed and not embed.encoding else "",
-                                                              "float32"),
+        "dtype": {"F16": "float16", "BF16": "bfloat16"}.get(embed.dtype if embed else "", "float32"),
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": list(dict.fromkeys(meta[f"tokenizer.ggml.{key}"] for key in END_OF_GENERATION
                                            if f"tokenizer.ggml.{key}" in meta)),

@@ -39,7 +39,8 @@ def write_gguf(model_dir: Path, out_dir: Path, qtype: str = "F16", *, rope_freqs
     """`out_dir/model.gguf` from the tiny checkpoint in `model_dir`: 2-D weights as `qtype` (F32, F16, BF16, or a
     block type: the K-quants as random blocks, not the checkpoint's values), 1-D ones F32; `metadata` overrides or
     adds keys (None values remove them). With `reference`, also a float32 Hugging Face checkpoint there holding the
-    values the GGUF stores (as gguf-py dequantises them)."""
+    values the GGUF stores (as gguf-py dequantises them; a block type's rounded to float16, as our loader holds
+    them)."""
     config = json.loads((model_dir / "config.json").read_text())
     arch = config["model_type"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -113,7 +114,8 @@ def _encode(w: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[np.nda
     if qtype not in SCALE_BYTES and qtype != "BF16":  # a type we do not read: random bytes, no values
         return random_blocks(*w.shape, qtype, rng), kind, w
     data = random_blocks(*w.shape, qtype, rng, 1e-3) if qtype.endswith("_K") else gguf.quants.quantize(w, kind)
-    return data, kind, gguf.quants.dequantize(data, kind).astype(np.float32).reshape(w.shape)
+    values = gguf.quants.dequantize(data, kind).reshape(w.shape)
+    return data, kind, values.astype(np.float32 if qtype == "BF16" else np.float16).astype(np.float32)
 
 
 def _add(writer: gguf.GGUFWriter, key: str, value) -> None:
