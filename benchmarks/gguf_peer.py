@@ -7,7 +7,8 @@ real-shape checkpoint, so the files are what users download: llama.cpp's tensor 
 Q4_K with Q6_K), its SentencePiece vocabulary, Llama's permuted q/k rows. Per file it prints one JSON line:
 whether the prompt's tokens are llama.cpp's, the prompt's last logits against llama.cpp's (largest difference
 relative to llama.cpp's largest logit; llama.cpp rounds activations for its quantised products, we do not), how
-many of 16 greedy tokens agree, and decode tokens/s of both, alternating (medians of --runs).
+many of 16 greedy tokens agree, how many projections we ran packed (Q4_0's, in the INT4 kernels; the other block
+types are decoded to float16 at load), and decode tokens/s of both, alternating (medians of --runs).
 """
 
 from __future__ import annotations
@@ -88,7 +89,9 @@ def compare(gguf: Path, work: Path, runs: int) -> dict:
         rates["llama.cpp"].append(peer_decode())
     ours_rate, peer_rate = (statistics.median(rates[k]) for k in ("ours", "llama.cpp"))
     llm.close()
-    return {"gguf": gguf.name, "tokens_equal": ids == theirs_ids, "prompt_tokens": len(ids),
+    quantization = ours.manifest.quantization
+    return {"gguf": gguf.name, "packed_params": quantization.packed_params if quantization else 0,
+            "tokens_equal": ids == theirs_ids, "prompt_tokens": len(ids),
             "logit_difference": float(np.abs(got - want).max() / np.abs(want).max()),
             "argmax_equal": int(np.argmax(got)) == int(np.argmax(want)), "greedy_tokens_agreeing": agree,
             "decode_tok_s": round(ours_rate, 2), "llama_cpp_decode_tok_s": round(peer_rate, 2),

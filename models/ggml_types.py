@@ -3,11 +3,19 @@
 A block type stores a row in blocks of 32 values (256 for the K-quants), each block its own scales. Decoding
 follows llama.cpp's `dequantize_row_*` arithmetic (float32, in its order), so every value is the float llama.cpp
 itself computes before its products.
+
+Q4_0 projections are not decoded at all: their values, (q - 8) * d over blocks of 32, are AWQ INT4's with group 32
+and every zero point 8, so `q4_0_as_awq` repacks the same nibbles and scales, bit for bit, into the AWQ parts the
+INT4 kernels read (models.quantization); a decode step reads 4.5 bits a weight, as llama.cpp's does.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from ir.packing import AWQ_PACK
+
+from .quantization import awq_pack
 
 # ggml type id -> (name, values per block, bytes per block); names as llama.cpp spells them
 RAW_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2)}
@@ -18,6 +26,10 @@ OTHER_TYPES = {15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_
                22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M"}
 SUPPORTED = ", ".join(name for name, _, _ in (*RAW_TYPES.values(), *BLOCK_TYPES.values()))
 _BLOCK_BYTES = {name: size for name, _, size in BLOCK_TYPES.values()}
+Q4_0_GROUP, Q4_0_ZERO = 32, 8  # Q4_0 as AWQ INT4: values per scale, and the zero point of every group
+_AWQ_LOGICAL = {"qweight": lambda rows, words: (words * AWQ_PACK, rows),
+                "qzeros": lambda groups, words: (words * AWQ_PACK, groups * Q4_0_GROUP),
+                "scales": lambda groups, out: (out, groups * Q4_0_GROUP)}  # AWQ part shape -> its [out, in] matrix
 _TWO_BIT_SHIFTS = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
 
 
@@ -109,6 +121,21 @@ def _decode(encoding: str, b: np.ndarray) -> np.ndarray:
 def dequantise(encoding: str, raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """The float32 values of a tensor of `shape` stored as blocks of `encoding` (`raw`: its bytes, uint8)."""
     return _decode(encoding, np.ascontiguousarray(raw).reshape(-1, _BLOCK_BYTES[encoding])).reshape(shape)
+
+
+def q4_0_as_awq(raw: np.ndarray, shape: tuple[int, int], part: str, rope_rows: int = 0) -> np.ndarray:
+    """Part `part` (qweight, qzeros or scales, of `shape`) of the AWQ INT4 checkpoint (group 32, every zero point 8)
+    that holds the same values as a matrix stored as Q4_0 blocks (`raw`: its bytes, uint8); with `rope_rows`, its
+    rows first put back in Hugging Face's order (`rope_rows_in_order`)."""
+    out, inp = _AWQ_LOGICAL[part](*shape)
+    if part == "qzeros":
+        return awq_pack(np.full((inp // Q4_0_GROUP, out), Q4_0_ZERO, np.uint8))
+    blocks = np.ascontiguousarray(raw).reshape(out, inp // Q4_0_GROUP, _BLOCK_BYTES["Q4_0"])
+    if rope_rows:
+        blocks = rope_rows_in_order(blocks, rope_rows)
+    if part == "scales":
+        return np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[:, :, 0].T.copy()
+    return awq_pack(_nibbles(blocks[:, :, 2:].reshape(-1, 16)).reshape(out, inp).T)
 
 
 def rope_rows_in_order(array: np.ndarray, head_dim: int) -> np.ndarray:

@@ -3,11 +3,14 @@ the loaders need from them: a config.json-like dict, the tensors under Hugging F
 
     MODEL_DIR/NAME.gguf    one GGUF file and no config.json: the model, its tokenizer and its chat template
 
-Tensors stored as F32, F16 or BF16 are used as they are; the block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the
-K-quants Q2_K..Q6_K, models.ggml_types) are dequantised when the weights are loaded, to the values llama.cpp
-computes, rounded to float16 (BLOCK_DTYPE: half the bytes of float32 for every decode step to read, within 2^-11 of
-each value, some 40x finer than llama.cpp's own rounding of the activations for its quantised products). Llama's q and k rows, which llama.cpp's converter interleaves for its rotary layout, are put
-back in Hugging Face's order at load.
+Tensors stored as F32, F16 or BF16 are used as they are. Projections stored as Q4_0 stay packed: the model is an AWQ
+INT4 one of group 32 (its quantization_config says so, naming the projections stored otherwise as not converted),
+each such projection's AWQ parts repacked from the same bits at load (models.ggml_types.q4_0_as_awq). The other
+block tensors (Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K..Q6_K, and Q4_0 outside the projections) are dequantised
+when the weights are loaded, to the values llama.cpp computes, rounded to float16 (BLOCK_DTYPE: half the bytes of
+float32 for every decode step to read, within 2^-11 of each value, some 40x finer than llama.cpp's own rounding of
+the activations for its quantised products). Llama's q and k rows, which llama.cpp's converter interleaves for its
+rotary layout, are put back in Hugging Face's order at load.
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ir import Packing
+
 from .checkpoint import CheckpointError, TensorEntry, read_tensor
 from .config import ModelConfigError
-from .ggml_types import BLOCK_TYPES, OTHER_TYPES, RAW_TYPES, SUPPORTED
+from .ggml_types import BLOCK_TYPES, OTHER_TYPES, Q4_0_GROUP, RAW_TYPES, SUPPORTED
+from .quantization import AWQ_PARTS, PROJECTION, awq_config
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -179,22 +185,47 @@ def _entry(path: Path, name: str, shape: tuple[int, ...], kind: int, begin: int,
 
 
 def gguf_tensors(path: Path) -> dict[str, TensorEntry]:
-    """A GGUF file's tensors under their Hugging Face names (unknown ones keep theirs, so a check can name them);
-    Llama's q and k marked for reordering."""
+    """A GGUF file's tensors under their Hugging Face names (unknown ones keep theirs, so a check can name them):
+    a packed Q4_0 projection as its AWQ parts; Llama's q and k marked for reordering."""
     gguf = read_gguf(path)
     config = gguf_config(gguf)
+    packed = _packed_q4_0(gguf)
     out = {}
     for name, entry in gguf.tensors.items():
         if name == ROPE_FREQS:
             continue
-        hf = _GLOBAL_NAMES.get(name)
-        parts = name.split(".")
-        if hf is None and len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-            hf = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+        hf, parts = _hf_name(name), name.split(".")
         reordered = config["model_type"] == "llama" and len(parts) == 4 and parts[2] in ("attn_q", "attn_k")
-        out[hf or name] = TensorEntry(hf or name, entry.file, entry.start, entry.end, entry.dtype, entry.shape,
-                                      entry.encoding, config.get("head_dim", 0) if reordered else 0)
+        rope_rows = config.get("head_dim", 0) if reordered else 0
+        if name not in packed:
+            out[hf] = TensorEntry(hf, entry.file, entry.start, entry.end, entry.dtype, entry.shape, entry.encoding,
+                                  rope_rows)
+            continue
+        module = hf.removesuffix(".weight")
+        for part, (shape, dtype) in zip(AWQ_PARTS, _Q4_0_PACKING.checkpoint_parts(entry.shape, "float16")):
+            out[f"{module}.{part}"] = TensorEntry(f"{module}.{part}", entry.file, entry.start, entry.end,
+                                                  "I32" if dtype == "int32" else "F16", shape, entry.encoding,
+                                                  rope_rows, part)
     return out
+
+
+_Q4_0_PACKING = Packing("awq_int4", Q4_0_GROUP)
+
+
+def _hf_name(name: str) -> str:
+    """A GGUF tensor's Hugging Face name (its own where none is known)."""
+    parts = name.split(".")
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return name
+
+
+def _packed_q4_0(gguf: GgufFile) -> frozenset[str]:
+    """The GGUF names of the projections stored as Q4_0 that the INT4 kernels read as they are (shape permitting)."""
+    return frozenset(name for name, entry in gguf.tensors.items() if entry.encoding == "Q4_0"
+                     and _hf_name(name).endswith(PROJECTION) and _Q4_0_PACKING.problem(entry.shape) is None)
 
 
 def gguf_config(gguf: GgufFile) -> dict:
@@ -238,6 +269,11 @@ def gguf_config(gguf: GgufFile) -> dict:
     if isinstance(head_dim, int) and head_dim > 0 and field("rope.dimension_count") not in (None, head_dim):
         config["partial_rotary_factor"] = field("rope.dimension_count") / head_dim
     config["rope_scaling"] = _rope_scaling(gguf, field)
+    packed = _packed_q4_0(gguf)
+    if packed:
+        others = sorted(_hf_name(name).removesuffix(".weight") for name in gguf.tensors
+                        if name not in packed and _hf_name(name).endswith(PROJECTION))
+        config["quantization_config"] = awq_config(Q4_0_GROUP, tuple(others))
     return config
 
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+import numpy as np
+
 from ir import Packing, Param, TensorType
+from ir.packing import AWQ_ORDER, AWQ_PACK
 
 from .config import ConfigReader
 
@@ -39,6 +42,20 @@ class AwqQuantization:
         """Whether the checkpoint stores this `module.weight` packed."""
         module = weight.removesuffix(".weight")
         return weight.endswith(PROJECTION) and not any(skip in module for skip in self.modules_to_not_convert)
+
+
+def awq_config(group: int, modules_to_not_convert: tuple[str, ...] = ()) -> dict:
+    """The quantization_config transformers writes for an AutoAWQ GEMM INT4 checkpoint of this group size."""
+    return {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True,
+            "modules_to_not_convert": list(modules_to_not_convert) or None}
+
+
+def awq_pack(values: np.ndarray) -> np.ndarray:
+    """[rows, out] 4-bit values as int32 words [rows, out / 8]: nibble slot i of word c holds column 8c + AWQ_ORDER[i]
+    (byte k of a word holds slots 2k and 2k + 1; built bytewise, a quarter of the memory traffic of words)."""
+    v = values.astype(np.uint8).reshape(values.shape[0], -1, AWQ_PACK)
+    low, high = v[:, :, list(AWQ_ORDER[0::2])], v[:, :, list(AWQ_ORDER[1::2])]
+    return np.ascontiguousarray(low | (high << np.uint8(4))).view("<i4").reshape(values.shape[0], -1)
 
 
 def read_quantization(cfg: ConfigReader) -> AwqQuantization | None:

@@ -31,10 +31,9 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from ir.errors import add_debug_flag, run_cli
-from ir.packing import AWQ_ORDER, AWQ_PACK
 from models import checkpoint_tensor_shapes
 from models.pretokenize import LLAMA3_SPLIT, QWEN2_SPLIT
-from models.quantization import AWQ_PARTS, AwqQuantization
+from models.quantization import AWQ_PARTS, AwqQuantization, awq_config, awq_pack
 
 ARCHS = ("qwen2", "llama", "qwen3_5_text", "qwen3_5")
 QWEN35_ARCHS = ("qwen3_5_text", "qwen3_5")
@@ -396,23 +395,12 @@ def awq_quantize(weight: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray
     return awq_pack(q), awq_pack(zeros), scales.astype(np.float16)
 
 
-def awq_pack(values: np.ndarray) -> np.ndarray:
-    """[rows, out] 4-bit values as int32 words [rows, out / 8]: nibble slot i of word c holds column 8c + AWQ_ORDER[i]."""
-    v = values.astype(np.uint32).reshape(values.shape[0], -1, AWQ_PACK)
-    words = np.zeros(v.shape[:2], np.uint32)
-    for slot, column in enumerate(AWQ_ORDER):
-        words |= v[:, :, column] << np.uint32(4 * slot)
-    return words.view(np.int32)
-
-
 def awq_checkpoint(config: dict, weights: dict[str, np.ndarray], group: int,
                    modules_to_not_convert: tuple[str, ...] = ()) -> tuple[dict, dict[str, np.ndarray]]:
     """The config and weights of a float checkpoint quantised as AutoAWQ GEMM INT4 with this group size (the
     projections packed, the rest kept), with the quantization_config transformers writes."""
     quant = AwqQuantization(group, tuple(modules_to_not_convert))
-    config = dict(config, quantization_config={
-        "quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True,
-        "modules_to_not_convert": list(modules_to_not_convert) or None})
+    config = dict(config, quantization_config=awq_config(group, tuple(modules_to_not_convert)))
     packed = {}
     for name, w in weights.items():
         if not quant.packs(name):

@@ -12,6 +12,9 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from models.ggml_types import BLOCK_TYPES
+from models.quantization import PROJECTION
+
 LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -35,12 +38,12 @@ def permute_for_llama_cpp(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(model_dir: Path, out_dir: Path, qtype: str = "F16", *, rope_freqs: np.ndarray | None = None,
-               metadata: dict | None = None, reference: Path | None = None) -> Path:
+               metadata: dict | None = None, reference: Path | None = None, types: dict | None = None) -> Path:
     """`out_dir/model.gguf` from the tiny checkpoint in `model_dir`: 2-D weights as `qtype` (F32, F16, BF16, or a
     block type: the K-quants as random blocks, not the checkpoint's values), 1-D ones F32; `metadata` overrides or
-    adds keys (None values remove them). With `reference`, also a float32 Hugging Face checkpoint there holding the
+    adds keys (None values remove them); `types` maps name suffixes to the type of the weights so named instead. With `reference`, also a float32 Hugging Face checkpoint there holding the
     values the GGUF stores (as gguf-py dequantises them; a block type's rounded to float16, as our loader holds
-    them)."""
+    them, except PACKED ones, which the INT4 kernels read as they are)."""
     config = json.loads((model_dir / "config.json").read_text())
     arch = config["model_type"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -74,7 +77,10 @@ def write_gguf(model_dir: Path, out_dir: Path, qtype: str = "F16", *, rope_freqs
     rng = np.random.default_rng(0)
     for name, w in weights.items():
         w = np.asarray(w, np.float32)
-        data, kind, stored[name] = _encode(w, qtype if w.ndim == 2 else "F32", rng)
+        own = next((t for suffix, t in (types or {}).items() if name.endswith(suffix)), qtype) if w.ndim == 2 else "F32"
+        data, kind, values = _encode(w, own, rng)
+        decoded = own in BLOCKS and not (own in PACKED and name.endswith(PROJECTION))
+        stored[name] = values.astype(np.float16).astype(np.float32) if decoded else values
         if arch == "llama" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
             data = permute_for_llama_cpp(data, heads if "q_proj" in name else kv_heads)
         writer.add_tensor(gguf_name(name), data, raw_dtype=kind)
@@ -90,6 +96,8 @@ def write_gguf(model_dir: Path, out_dir: Path, qtype: str = "F16", *, rope_freqs
     return path
 
 
+PACKED = ("Q4_0",)  # block types whose projections stay packed (models.gguf), their values exact
+BLOCKS = {name for name, _, _ in BLOCK_TYPES.values()}
 SCALE_BYTES = {"Q4_0": (0,), "Q5_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2),
                "Q5_K": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q6_K": (208,)}  # where a block's float16s lie
 
@@ -115,7 +123,7 @@ def _encode(w: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[np.nda
         return random_blocks(*w.shape, qtype, rng), kind, w
     data = random_blocks(*w.shape, qtype, rng, 1e-3) if qtype.endswith("_K") else gguf.quants.quantize(w, kind)
     values = gguf.quants.dequantize(data, kind).reshape(w.shape)
-    return data, kind, values.astype(np.float32 if qtype == "BF16" else np.float16).astype(np.float32)
+    return data, kind, values.astype(np.float32)
 
 
 def _add(writer: gguf.GGUFWriter, key: str, value) -> None:

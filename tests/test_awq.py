@@ -24,7 +24,8 @@ from ir import IRError, Packing, TensorType, infer_types
 from ir.cpu_features import host_cpu_flags
 from ir.packing import pair_column, pair_index, pair_position, pair_scale, pair_tile_words
 from models.checkpoint import CheckpointError
-from models.tiny import awq_pack, awq_quantize, tiny_config, write_tiny_checkpoint
+from models.quantization import awq_pack
+from models.tiny import awq_quantize, tiny_config, write_tiny_checkpoint
 from runtime import (CompiledModel, GreedyGenerationConfig, load_huggingface_awq_qwen2_pipeline,
                      load_huggingface_llama_pipeline, load_huggingface_qwen2_pipeline, load_pipeline)
 from runtime.weights import TRANSFORMS, pair_scales, pair_words

@@ -10,13 +10,15 @@ import struct
 import gguf
 import numpy as np
 import pytest
-from gguf_fixture import permute_for_llama_cpp, random_blocks, write_gguf
+from gguf_fixture import PACKED, permute_for_llama_cpp, random_blocks, write_gguf
+from numpy_reference import dequantise as awq_dequantise
 
 import models
 from compiler.build import build
 from models.checkpoint import CheckpointError, read_tensor, scan_checkpoint
 from models.config import ModelConfigError
 from models.ggml_types import BLOCK_TYPES, dequantise, rope_rows_in_order
+from models.quantization import AWQ_PARTS
 from models.gguf import GgufFile
 from models.tiny import write_tiny_checkpoint
 from runtime import CompiledModel, load_pipeline
@@ -82,20 +84,46 @@ def test_gguf_model_greedy_generation_matches_transformers(case):
     assert_greedy_matches(ours, hf, [3, 14, 15, 92, 65], 16)
 
 
-def test_gguf_weights_are_decoded_and_reordered_at_load(case):
-    """Block types are dequantised (the entries say so), Llama's q and k rows come back in Hugging Face's order: each
-    equals the reference checkpoint's tensor bit for bit."""
+def test_gguf_weights_are_decoded_or_packed_and_reordered_at_load(case):
+    """Block types are dequantised (the entries say so), Q4_0 projections become AWQ INT4 parts instead, Llama's q and
+    k rows come back in Hugging Face's order: each equals the reference checkpoint's tensor bit for bit."""
     ours, _, qtype, _ = case
     entries = scan_checkpoint(ours.model_dir)
     reference = {e.name: e for e in scan_checkpoint(ours.model_dir.parent / "reference").values()}
-    q = entries["model.layers.0.self_attn.q_proj.weight"]
-    assert q.encoding == (qtype if qtype.startswith("Q") else "")
+    module = "model.layers.0.self_attn.q_proj"
+    q = entries[f"{module}.qweight" if qtype in PACKED else f"{module}.weight"]
+    assert q.encoding == (qtype if qtype.startswith("Q") else "") and q.part == ("qweight" if qtype in PACKED else "")
     assert q.rope_rows == (ours.config.head_dim if ours.config.model_type == "llama" else 0)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
-                 "model.layers.0.mlp.down_proj.weight", "model.norm.weight"):
-        with open(entries[name].file, "rb") as a, open(reference[name].file, "rb") as b:
-            got, want = read_tensor(entries[name], a.read()), read_tensor(reference[name], b.read())
-        np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+                 "model.layers.0.mlp.down_proj.weight", "model.norm.weight", "model.embed_tokens.weight"):
+        with open(reference[name].file, "rb") as f:
+            want = read_tensor(reference[name], f.read())
+        np.testing.assert_array_equal(_stored_values(entries, name), want)
+
+
+def _stored_values(entries, name: str) -> np.ndarray:
+    """The float32 values of weight `name`: its entry's, or those its AWQ parts hold."""
+    module = name.removesuffix(".weight")
+    parts = [entries[f"{module}.{part}"] for part in AWQ_PARTS] if name not in entries else [entries[name]]
+    with open(parts[0].file, "rb") as f:
+        data = f.read()
+    arrays = [read_tensor(entry, data) for entry in parts]
+    return awq_dequantise(*arrays) if len(arrays) == 3 else np.asarray(arrays[0], np.float32)
+
+
+def test_q4_0_projections_run_packed_in_the_int4_kernels(case):
+    """A Q4_0 file is an AWQ INT4 model of group 32: its projections are packed params (4.5 bits a weight in
+    memory), everything else the file's values; other types hold every weight as values."""
+    ours, _, qtype, _ = case
+    packings = {p.name: p.packing for p in ours.manifest.params}
+    words = sum(str(a.dtype) == "int32" for a in ours._params)  # what the runtime holds: packed words and zeros
+    if qtype not in PACKED:
+        assert ours.manifest.quantization is None and not any(packings.values()) and words == 0
+        return
+    projections = [name for name in packings if name.endswith("_proj.weight")]
+    assert projections and all(packings[name] == "awq_int4_pairs(g32)" for name in projections)
+    assert ours.manifest.quantization.group_size == 32 and ours.manifest.quantization.packed_params == len(projections)
+    assert words == 2 * len(projections) and not packings["model.embed_tokens.weight"]
 
 
 def test_gguf_tokenizer_and_chat_template_are_the_checkpoints(case):
@@ -112,6 +140,26 @@ def test_gguf_tokenizer_and_chat_template_are_the_checkpoints(case):
                                                                        add_generation_prompt=True)
     eos = json.loads((model_dir / "generation_config.json").read_text())["eos_token_id"]
     assert pipeline.default_eos_token_ids == [eos[0] if isinstance(eos, list) else eos]
+
+
+def test_a_q4_0_file_packs_only_its_q4_0_projections(tmp_path):
+    """Projections of another type in a Q4_0 file (llama.cpp's mixes) are the quantization_config's
+    modules_to_not_convert and keep their values; the model still runs as transformers runs the stored values."""
+    model_dir = write_tiny_checkpoint(tmp_path / "hf", arch="qwen2", seed=13)
+    path = write_gguf(model_dir, tmp_path / "gguf", "Q4_0", reference=tmp_path / "reference",
+                      types={"mlp.down_proj.weight": "Q8_0", "layers.1.self_attn.o_proj.weight": "F16"})
+    config = models.load_config(path.parent)
+    assert set(config.quantization.modules_to_not_convert) == set(
+        [f"model.layers.{i}.mlp.down_proj" for i in range(config.num_hidden_layers)]
+        + ["model.layers.1.self_attn.o_proj"])
+    artifact = build(path.parent, out=tmp_path / "artifact", prefill_buckets=(8,), max_context=64, quiet=True).path
+    ours = CompiledModel(path.parent, artifact)
+    packings = {p.name: p.packing for p in ours.manifest.params}
+    assert not packings["model.layers.0.mlp.down_proj.weight"] and not packings["model.layers.1.self_attn.o_proj.weight"]
+    assert packings["model.layers.0.self_attn.o_proj.weight"] == packings["model.layers.1.mlp.up_proj.weight"] \
+        == "awq_int4_pairs(g32)"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "reference", dtype=torch.float32).eval()
+    assert_steps_match(ours, hf, [5, 17, 2, 9, 40], 6)
 
 
 @pytest.mark.parametrize("qtype", sorted(name for name, _, _ in BLOCK_TYPES.values()))
