@@ -59,7 +59,7 @@ from benchmarks.gguf_convert import QUANT_TYPES, gguf_file, quantized_gguf
 from benchmarks.host import cpu_description
 
 DTYPES = ("bfloat16", "float32")
-GGUF_TYPES = {"float32": ("f32",), "bfloat16": ("bf16", "f16"), "float16": ("f16",), "awq": tuple(QUANT_TYPES)}
+GGUF_TYPES = {"float32": ("f32",), "bfloat16": ("bf16", "f16"), "float16": ("f16",), "awq": ("q4_0", "q8_0", "q4_k_m")}
 AWQ_GROUP = 128
 ROOFLINE = "decode roofline: the weights of a token read from memory (numpy)"
 PAUSE_S = 0.5  # between two engines' turns: the threads of the one that ran (OpenMP) stop spinning

@@ -67,12 +67,13 @@ def gguf_file(model_dir: Path, outtype: str, work: Path, source: str | None) -> 
     return out
 
 
-QUANT_TYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+QUANT_TYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
+               "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 
 
 def quantized_gguf(model_dir: Path, qtype: str, work: Path, source: str | None) -> Path:
-    """`model_dir` as a GGUF quantised to `qtype` (q4_0, q8_0, q4_k_m) by llama.cpp's own quantiser (llama_model_quantize of
-    the llama-cpp-python build that runs it) from the F16 conversion; made once and reused."""
+    """`model_dir` as a GGUF quantised to `qtype` (q4_0, q4_1, q8_0, q4_k_m) by llama.cpp's own quantiser
+    (llama_model_quantize of the llama-cpp-python build that runs it) from the F16 conversion; made once and reused."""
     import llama_cpp
 
     out = work / f"{model_dir.name}.{qtype}.gguf"

@@ -71,7 +71,7 @@ def linear(types, attrs) -> Kernel:
     """x @ W.T (+ bias) of a float or packed (ir.packing) weight W [out, in]; a packed one takes its parts."""
     x_type, w_type, *bias_type = types
     x, *bias = _placeholders([x_type, *bias_type], ["x", "bias"])
-    names = PART_NAMES[w_type.packing and w_type.packing.kind]
+    names = w_type.packing.part_names if w_type.packing is not None else ("weight",)
     w_parts = [te.placeholder(t.shape, t.dtype, name=n) for t, n in zip(w_type.parts(), names)]
     weight = _unpacked(w_type.packing, w_parts)
     if w_type.packing is not None:  # a stage of its own, so a schedule can unpack a tile for many rows (or inline it)
@@ -80,7 +80,7 @@ def linear(types, attrs) -> Kernel:
     k = te.reduce_axis((0, x.shape[1]), "k")
     y = te.compute((x.shape[0], w_type.shape[0]), lambda i, j: te.sum(x[i, k] * weight(j, k), axis=k),
                    name=stages.MATMUL)
-    if w_type.packing is not None and w_type.packing.kind == "awq_int4_pairs":  # y's columns in the layout's order
+    if w_type.packing is not None and w_type.packing.paired:  # y's columns in the layout's order
         ordered, tile = y, int(w_parts[0].shape[2])
         y = te.compute(y.shape, lambda i, j: ordered[i, pair_index(j, tile)], name=stages.PAIR_COLUMNS)
     if bias:
@@ -89,30 +89,31 @@ def linear(types, attrs) -> Kernel:
     return Kernel(te.create_prim_func([x, *w_parts, *bias, y]))
 
 
-PART_NAMES = {None: ("weight",), "awq_int4": ("qweight", "qzeros", "scales"),
-              "awq_int4_pairs": ("qweight", "qzeros", "scales")}  # parameter names of the parts
-
-
 def _unpacked(packing: Packing | None, parts: list):
     """weight(j, k): element [j, k] of the logical weight matrix as float32, read from its parts (of the pairs
-    layout: j in the layout's column order, ir.packing.pair_index)."""
+    layout: j in the layout's column order, ir.packing.pair_index): (q - z) * s, or q * s + m for an affine kind."""
     if packing is None:
         return lambda j, k: _f32(parts[0][j, k])
-    qweight, qzeros, scales = parts
+    qweight, zeros, scales = parts
     group, tile = packing.group, int(qweight.shape[2])
-    if packing.kind == "awq_int4_pairs":  # j: a position in the layout's column order (ir.packing.pair_order)
+    if packing.paired:  # j: a position in the layout's column order (ir.packing.pair_order)
         def value(words, j, row):  # the 4-bit value of row `row` at position j of a pairs-layout tensor
             t, n, word = j // (PAIR_SLOTS * tile), j // tile % PAIR_SLOTS, j % tile
             return pair_value(words[t, row // 2, word], row, n)
 
-        return lambda j, k: (value(qweight, j, k) - value(qzeros, j, k // group)).astype(F32) * _f32(
-            scales[pair_scale(j, k // group, tile)])
+        quant = lambda j, k: value(qweight, j, k)  # noqa: E731
+        zero = lambda j, k: value(zeros, j, k // group)  # noqa: E731
+        group_float = lambda part, j, k: _f32(part[pair_scale(j, k // group, tile)])  # noqa: E731
+    else:
+        def nibble(word, j):  # column j lies in nibble slot awq_slot(j % 8) of its word
+            return tirx.bitwise_and(tirx.shift_right(word, awq_slot(j % AWQ_PACK) * 4), 15)
 
-    def nibble(word, j):  # column j lies in nibble slot awq_slot(j % 8) of its word
-        return tirx.bitwise_and(tirx.shift_right(word, awq_slot(j % AWQ_PACK) * 4), 15)
-
-    return lambda j, k: (nibble(qweight[j // AWQ_PACK // tile, k, j // AWQ_PACK % tile], j)
-                         - nibble(qzeros[k // group, j // AWQ_PACK], j)).astype(F32) * _f32(scales[k // group, j])
+        quant = lambda j, k: nibble(qweight[j // AWQ_PACK // tile, k, j // AWQ_PACK % tile], j)  # noqa: E731
+        zero = lambda j, k: nibble(zeros[k // group, j // AWQ_PACK], j)  # noqa: E731
+        group_float = lambda part, j, k: _f32(part[k // group, j])  # noqa: E731
+    if packing.affine:
+        return lambda j, k: quant(j, k).astype(F32) * group_float(scales, j, k) + group_float(zeros, j, k)
+    return lambda j, k: (quant(j, k) - zero(j, k)).astype(F32) * group_float(scales, j, k)
 
 
 def rope(types, attrs) -> Kernel:

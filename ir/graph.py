@@ -103,9 +103,12 @@ class TensorType:
 WEIGHT_TRANSFORMS = {
     "copy": "the one source tensor as the checkpoint stores it",
     "flatten": "the one source tensor with its trailing dims flattened into one (a patch conv kernel as a matrix)",
-    "awq_tiles": "AWQ qweight, qzeros, scales as stored, qweight regrouped into column tiles (ir.packing)",
+    "awq_tiles": "AWQ qweight, qzeros (or offsets), scales as stored, qweight regrouped into column tiles "
+                 "(ir.packing)",
     "awq_pairs": "AWQ qweight and qzeros regrouped into words of two rows of four columns, scales reordered to "
                  "match (ir.packing)",
+    "affine_pairs": "qweight regrouped as awq_pairs does, offsets and scales both reordered as its scales "
+                    "(ir.packing affine_int4_pairs)",
 }
 
 

@@ -27,15 +27,25 @@ of one nibble of a vector of words are neighbours and a kernel streaming a tile 
 Shifting a vector of words right by 4n and masking it with 0x000F000F gives a vector of 16-bit pairs (row 2p,
 row 2p + 1): the operand of the integer pair dot products (pmaddwd, vpdpwssd) with a pair of activations
 (schedules.cpu_awq). Groups are even, so a pair never straddles two.
+
+affine_int4, affine_int4_pairs (a GGUF file's Q4_1 and Q4_K projections, models.ggml_types): the same words in the
+same layouts, but W[o, i] = q * s + m, with a float offset m per group and output column in place of the zero point
+(q4_1: d and m; Q4_K: each 32-row sub-block's d * scale and -dmin * min). The offsets are a part shaped and laid out
+as the scales (`offsets`, in place of qzeros):
+    qweight int32 [in, out / 8], offsets [in / group, out], scales [in / group, out]       (affine_int4)
+    qweight int32 [out / (4 tile), in / 2, tile], offsets and scales [out / (4 tile), in / group, 4 tile]  (_pairs)
+Over a group, sum x * (q * s + m) = s * sum x * q + m * sum x: the kernels' integer sums are the same.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-PACKINGS = {"awq_int4": "awq_tiles", "awq_int4_pairs": "awq_pairs"}  # packing kind -> the weight-map transform
-# (ir.graph.WEIGHT_TRANSFORMS) that makes it
-CPU_PACKINGS = {"awq_int4": "awq_int4_pairs"}  # how a build for a CPU stores a packed weight of each kind
+PACKINGS = {"awq_int4": "awq_tiles", "awq_int4_pairs": "awq_pairs", "affine_int4": "awq_tiles",
+            "affine_int4_pairs": "affine_pairs"}  # packing kind -> the weight-map transform (ir.graph.WEIGHT_TRANSFORMS)
+# that makes it
+CPU_PACKINGS = {"awq_int4": "awq_int4_pairs", "affine_int4": "affine_int4_pairs"}  # how a build for a CPU stores a
+# packed weight of each kind
 AWQ_PACK = 8  # 4-bit values per int32 word
 AWQ_TILE_WORDS = 16  # words of qweight per column tile: a 64-byte cache line
 PAIR_SLOTS = 4  # columns per word of the pairs layout (each in two rows)
@@ -85,20 +95,38 @@ class Packing:
         """The weight-map transform that makes the parts from the checkpoint's tensors."""
         return PACKINGS[self.kind]
 
+    @property
+    def affine(self) -> bool:
+        """Whether values are q * s + m (float offsets) rather than AWQ's (q - z) * s (4-bit zero points)."""
+        return self.kind.startswith("affine")
+
+    @property
+    def paired(self) -> bool:
+        """Whether the words are in the pairs layout (what CPU kernels read)."""
+        return self.kind.endswith("_pairs")
+
+    @property
+    def part_names(self) -> tuple[str, str, str]:
+        """The names of the parts, in order (the checkpoint's tensors are `module.<name>`)."""
+        return ("qweight", "offsets" if self.affine else "qzeros", "scales")
+
     def checkpoint_parts(self, shape: tuple[int, int], dtype: str) -> tuple[tuple[tuple[int, ...], str], ...]:
-        """(shape, dtype) of each checkpoint tensor of a logical [out, in] matrix of `dtype`: qweight, qzeros, scales."""
+        """(shape, dtype) of each checkpoint tensor of a logical [out, in] matrix of `dtype` (`part_names`)."""
         out, inp = shape
-        return (((inp, out // AWQ_PACK), "int32"), ((inp // self.group, out // AWQ_PACK), "int32"),
-                ((inp // self.group, out), dtype))
+        scales = ((inp // self.group, out), dtype)
+        zeros = scales if self.affine else ((inp // self.group, out // AWQ_PACK), "int32")
+        return (((inp, out // AWQ_PACK), "int32"), zeros, scales)
 
     def parts(self, shape: tuple[int, int], dtype: str) -> tuple[tuple[tuple[int, ...], str], ...]:
-        """(shape, dtype) of each part kernels take, in order: qweight, qzeros (both in the kind's layout), scales."""
+        """(shape, dtype) of each part kernels take, in order: qweight, qzeros or offsets (both in the kind's layout),
+        scales."""
         ((rows, words), _), zeros, scales = self.checkpoint_parts(shape, dtype)
-        if self.kind == "awq_int4_pairs":
+        if self.paired:
             tile = pair_tile_words(shape[0])
-            tiles, groups = shape[0] // (PAIR_SLOTS * tile), zeros[0][0]
-            return (((tiles, rows // 2, tile), "int32"), ((tiles, -(-groups // 2), tile), "int32"),
-                    ((tiles, groups, PAIR_SLOTS * tile), dtype))
+            tiles, groups = shape[0] // (PAIR_SLOTS * tile), scales[0][0]
+            laid = ((tiles, groups, PAIR_SLOTS * tile), dtype)
+            return (((tiles, rows // 2, tile), "int32"), laid if self.affine else ((tiles, -(-groups // 2), tile),
+                                                                                     "int32"), laid)
         tile = awq_tile_words(words)
         return (((words // tile, rows, tile), "int32"), zeros, scales)
 

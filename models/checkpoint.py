@@ -17,7 +17,7 @@ import numpy as np
 
 from ir.errors import RudaError
 
-from .ggml_types import dequantise, q4_0_as_awq, rope_rows_in_order
+from .ggml_types import dequantise, int4_part, rope_rows_in_order
 
 FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 SAFETENSORS_DTYPES = {**FLOAT_DTYPES, "I32": "int32"}
@@ -51,8 +51,8 @@ class TensorEntry:
     rope_rows: int = 0
     """The head_dim of q/k rows stored in llama.cpp's interleaved rotary order (reordered at load), or 0."""
     part: str = ""
-    """The AWQ INT4 part (qweight, qzeros, scales) this entry makes of Q4_0 blocks (models.ggml_types.q4_0_as_awq),
-    or "" for the tensor's values."""
+    """The INT4 part (qweight, qzeros or offsets, scales) this entry makes of 4-bit blocks
+    (models.ggml_types.int4_part), or "" for the tensor's values."""
 
 
 def _ints(*values) -> bool:
@@ -120,8 +120,8 @@ def _index_files(model_dir: Path) -> dict[str, Path]:
 def read_tensor(entry: TensorEntry, mapped) -> np.ndarray:
     """A tensor's values from its mapped file: a view (no copy) unless they are stored as blocks or reordered."""
     if entry.part:
-        return q4_0_as_awq(np.frombuffer(mapped, np.uint8, entry.end - entry.start, entry.start), entry.shape,
-                           entry.part, entry.rope_rows)
+        return int4_part(entry.encoding, np.frombuffer(mapped, np.uint8, entry.end - entry.start, entry.start),
+                         entry.shape, entry.part, entry.rope_rows).astype(NUMPY_DTYPES[entry.dtype], copy=False)
     if entry.encoding:
         array = dequantise(entry.encoding, np.frombuffer(mapped, np.uint8, entry.end - entry.start, entry.start),
                            entry.shape).astype(NUMPY_DTYPES[entry.dtype])

@@ -4,9 +4,12 @@ A block type stores a row in blocks of 32 values (256 for the K-quants), each bl
 follows llama.cpp's `dequantize_row_*` arithmetic (float32, in its order), so every value is the float llama.cpp
 itself computes before its products.
 
-Q4_0 projections are not decoded at all: their values, (q - 8) * d over blocks of 32, are AWQ INT4's with group 32
-and every zero point 8, so `q4_0_as_awq` repacks the same nibbles and scales, bit for bit, into the AWQ parts the
-INT4 kernels read (models.quantization); a decode step reads 4.5 bits a weight, as llama.cpp's does.
+The 4-bit types' projections are not decoded at all (`int4_part`): Q4_0's values, (q - 8) * d over blocks of 32,
+are AWQ INT4's with group 32 and every zero point 8; Q4_1's, q * d + m, and Q4_K's, q * (d * scale) - dmin * min over
+sub-blocks of 32, are ir.packing's affine_int4 with group 32. Their nibbles are repacked into the words the INT4
+kernels read and their scales (and offsets) laid out per group: Q4_0's and Q4_1's float16s as they are, Q4_K's
+products as float32 (exact, as llama.cpp computes them). A decode step reads 4.5 bits a weight of a Q4_0 or Q4_1
+projection (llama.cpp: 4.5, 5), 6 of a Q4_K one (llama.cpp: 4.5).
 """
 
 from __future__ import annotations
@@ -26,10 +29,13 @@ OTHER_TYPES = {15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_
                22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M"}
 SUPPORTED = ", ".join(name for name, _, _ in (*RAW_TYPES.values(), *BLOCK_TYPES.values()))
 _BLOCK_BYTES = {name: size for name, _, size in BLOCK_TYPES.values()}
-Q4_0_GROUP, Q4_0_ZERO = 32, 8  # Q4_0 as AWQ INT4: values per scale, and the zero point of every group
-_AWQ_LOGICAL = {"qweight": lambda rows, words: (words * AWQ_PACK, rows),
-                "qzeros": lambda groups, words: (words * AWQ_PACK, groups * Q4_0_GROUP),
-                "scales": lambda groups, out: (out, groups * Q4_0_GROUP)}  # AWQ part shape -> its [out, in] matrix
+INT4_GROUP, Q4_0_ZERO = 32, 8  # the 4-bit types packed: values per scale; Q4_0's zero point of every group
+INT4_KINDS = {"Q4_0": "awq_int4", "Q4_1": "affine_int4", "Q4_K": "affine_int4"}  # packing kind (ir.packing) of each
+INT4_SCALE_DTYPES = {"Q4_0": "F16", "Q4_1": "F16", "Q4_K": "F32"}  # what a group's scale and offset are held as
+_INT4_LOGICAL = {"qweight": lambda rows, words: (words * AWQ_PACK, rows),
+                 "qzeros": lambda groups, words: (words * AWQ_PACK, groups * INT4_GROUP),
+                 "offsets": lambda groups, out: (out, groups * INT4_GROUP),
+                 "scales": lambda groups, out: (out, groups * INT4_GROUP)}  # part shape -> its [out, in] matrix
 _TWO_BIT_SHIFTS = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
 
 
@@ -123,19 +129,27 @@ def dequantise(encoding: str, raw: np.ndarray, shape: tuple[int, ...]) -> np.nda
     return _decode(encoding, np.ascontiguousarray(raw).reshape(-1, _BLOCK_BYTES[encoding])).reshape(shape)
 
 
-def q4_0_as_awq(raw: np.ndarray, shape: tuple[int, int], part: str, rope_rows: int = 0) -> np.ndarray:
-    """Part `part` (qweight, qzeros or scales, of `shape`) of the AWQ INT4 checkpoint (group 32, every zero point 8)
-    that holds the same values as a matrix stored as Q4_0 blocks (`raw`: its bytes, uint8); with `rope_rows`, its
-    rows first put back in Hugging Face's order (`rope_rows_in_order`)."""
-    out, inp = _AWQ_LOGICAL[part](*shape)
+def int4_part(encoding: str, raw: np.ndarray, shape: tuple[int, int], part: str, rope_rows: int = 0) -> np.ndarray:
+    """Part `part` (qweight, qzeros or offsets, scales; of `shape`) of the INT4 packing (INT4_KINDS, group 32) that
+    holds the same values as a matrix stored as `encoding` blocks (`raw`: its bytes, uint8), the words as int32, the
+    scales and offsets as float32 (exact; held as INT4_SCALE_DTYPES); with `rope_rows`, its rows first put back in
+    Hugging Face's order (`rope_rows_in_order`)."""
+    out, inp = _INT4_LOGICAL[part](*shape)
     if part == "qzeros":
-        return awq_pack(np.full((inp // Q4_0_GROUP, out), Q4_0_ZERO, np.uint8))
-    blocks = np.ascontiguousarray(raw).reshape(out, inp // Q4_0_GROUP, _BLOCK_BYTES["Q4_0"])
+        return awq_pack(np.full((inp // INT4_GROUP, out), Q4_0_ZERO, np.uint8))
+    blocks = np.ascontiguousarray(raw).reshape(out, -1, _BLOCK_BYTES[encoding])
     if rope_rows:
         blocks = rope_rows_in_order(blocks, rope_rows)
-    if part == "scales":
-        return np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[:, :, 0].T.copy()
-    return awq_pack(_nibbles(blocks[:, :, 2:].reshape(-1, 16)).reshape(out, inp).T)
+    b = blocks.reshape(-1, _BLOCK_BYTES[encoding])
+    if part == "qweight":
+        q = _k4_layout(b[:, 16:144]) if encoding == "Q4_K" else _nibbles(b[:, 2 if encoding == "Q4_0" else 4:])
+        return awq_pack(q.reshape(out, inp).T)
+    if encoding == "Q4_K":
+        scales, mins = _k4_scales(b[:, 4:16])
+        scale, offset = _half(b, 0) * scales, -(_half(b, 2) * mins)
+    else:
+        scale, offset = _half(b, 0), _half(b, 2)
+    return np.ascontiguousarray((scale if part == "scales" else offset).reshape(out, inp // INT4_GROUP).T)
 
 
 def rope_rows_in_order(array: np.ndarray, head_dim: int) -> np.ndarray:

@@ -3,10 +3,11 @@ the loaders need from them: a config.json-like dict, the tensors under Hugging F
 
     MODEL_DIR/NAME.gguf    one GGUF file and no config.json: the model, its tokenizer and its chat template
 
-Tensors stored as F32, F16 or BF16 are used as they are. Projections stored as Q4_0 stay packed: the model is an AWQ
-INT4 one of group 32 (its quantization_config says so, naming the projections stored otherwise as not converted),
-each such projection's AWQ parts repacked from the same bits at load (models.ggml_types.q4_0_as_awq). The other
-block tensors (Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K..Q6_K, and Q4_0 outside the projections) are dequantised
+Tensors stored as F32, F16 or BF16 are used as they are. Projections stored as Q4_0, Q4_1 or Q4_K stay packed: the
+model is an AWQ INT4 one of group 32 (its quantization_config says so, naming the projections stored otherwise as
+not converted, and the Q4_1 and Q4_K ones, whose groups have float offsets, as `affine_modules`), each such
+projection's parts repacked from the same bits at load (models.ggml_types.int4_part). The other block tensors
+(Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q5_K, Q6_K, and the 4-bit types outside the projections) are dequantised
 when the weights are loaded, to the values llama.cpp computes, rounded to float16 (BLOCK_DTYPE: half the bytes of
 float32 for every decode step to read, within 2^-11 of each value, some 40x finer than llama.cpp's own rounding of
 the activations for its quantised products). Llama's q and k rows, which llama.cpp's converter interleaves for its
@@ -27,8 +28,8 @@ from ir import Packing
 
 from .checkpoint import CheckpointError, TensorEntry, read_tensor
 from .config import ModelConfigError
-from .ggml_types import BLOCK_TYPES, OTHER_TYPES, Q4_0_GROUP, RAW_TYPES, SUPPORTED
-from .quantization import AWQ_PARTS, PROJECTION, awq_config
+from .ggml_types import BLOCK_TYPES, INT4_GROUP, INT4_KINDS, INT4_SCALE_DTYPES, OTHER_TYPES, RAW_TYPES, SUPPORTED
+from .quantization import PROJECTION, awq_config
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -189,7 +190,7 @@ def gguf_tensors(path: Path) -> dict[str, TensorEntry]:
     a packed Q4_0 projection as its AWQ parts; Llama's q and k marked for reordering."""
     gguf = read_gguf(path)
     config = gguf_config(gguf)
-    packed = _packed_q4_0(gguf)
+    packed = _packed(gguf)
     out = {}
     for name, entry in gguf.tensors.items():
         if name == ROPE_FREQS:
@@ -201,15 +202,13 @@ def gguf_tensors(path: Path) -> dict[str, TensorEntry]:
             out[hf] = TensorEntry(hf, entry.file, entry.start, entry.end, entry.dtype, entry.shape, entry.encoding,
                                   rope_rows)
             continue
-        module = hf.removesuffix(".weight")
-        for part, (shape, dtype) in zip(AWQ_PARTS, _Q4_0_PACKING.checkpoint_parts(entry.shape, "float16")):
-            out[f"{module}.{part}"] = TensorEntry(f"{module}.{part}", entry.file, entry.start, entry.end,
-                                                  "I32" if dtype == "int32" else "F16", shape, entry.encoding,
-                                                  rope_rows, part)
+        module, packing = hf.removesuffix(".weight"), packed[name]
+        for part, (shape, dtype) in zip(packing.part_names, packing.checkpoint_parts(entry.shape, "float32")):
+            out[f"{module}.{part}"] = TensorEntry(
+                f"{module}.{part}", entry.file, entry.start, entry.end,
+                "I32" if dtype == "int32" else INT4_SCALE_DTYPES[entry.encoding], shape, entry.encoding, rope_rows,
+                part)
     return out
-
-
-_Q4_0_PACKING = Packing("awq_int4", Q4_0_GROUP)
 
 
 def _hf_name(name: str) -> str:
@@ -222,10 +221,12 @@ def _hf_name(name: str) -> str:
     return name
 
 
-def _packed_q4_0(gguf: GgufFile) -> frozenset[str]:
-    """The GGUF names of the projections stored as Q4_0 that the INT4 kernels read as they are (shape permitting)."""
-    return frozenset(name for name, entry in gguf.tensors.items() if entry.encoding == "Q4_0"
-                     and _hf_name(name).endswith(PROJECTION) and _Q4_0_PACKING.problem(entry.shape) is None)
+def _packed(gguf: GgufFile) -> dict[str, Packing]:
+    """The projections (GGUF names) stored in a 4-bit type that the INT4 kernels read as they are (shape
+    permitting), and their packing (models.ggml_types.INT4_KINDS)."""
+    packings = {name: Packing(INT4_KINDS[entry.encoding], INT4_GROUP) for name, entry in gguf.tensors.items()
+                if entry.encoding in INT4_KINDS and _hf_name(name).endswith(PROJECTION)}
+    return {name: p for name, p in packings.items() if p.problem(gguf.tensors[name].shape) is None}
 
 
 def gguf_config(gguf: GgufFile) -> dict:
@@ -269,11 +270,13 @@ def gguf_config(gguf: GgufFile) -> dict:
     if isinstance(head_dim, int) and head_dim > 0 and field("rope.dimension_count") not in (None, head_dim):
         config["partial_rotary_factor"] = field("rope.dimension_count") / head_dim
     config["rope_scaling"] = _rope_scaling(gguf, field)
-    packed = _packed_q4_0(gguf)
+    packed = _packed(gguf)
     if packed:
-        others = sorted(_hf_name(name).removesuffix(".weight") for name in gguf.tensors
+        module = lambda name: _hf_name(name).removesuffix(".weight")  # noqa: E731
+        others = sorted(module(name) for name in gguf.tensors
                         if name not in packed and _hf_name(name).endswith(PROJECTION))
-        config["quantization_config"] = awq_config(Q4_0_GROUP, tuple(others))
+        affine = sorted(module(name) for name, packing in packed.items() if packing.affine)
+        config["quantization_config"] = awq_config(INT4_GROUP, tuple(others), tuple(affine))
     return config
 
 

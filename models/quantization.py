@@ -3,7 +3,9 @@
 Quantisation is data, not a model: the builders ask `linear` for a product of a checkpoint module, and the
 params made here say whether that module's weight is a float tensor or packed (ir.packing) over the checkpoint
 tensors that hold it. Supported: AutoAWQ GEMM INT4 (`quant_method` awq, `bits` 4, `version` gemm,
-`zero_point` true), as Qwen publishes its *-Instruct-AWQ checkpoints.
+`zero_point` true), as Qwen publishes its *-Instruct-AWQ checkpoints. A GGUF file's 4-bit projections
+(models.gguf) come as such a config too, with our own key `affine_modules`: the modules whose groups have a float
+offset instead of a zero point (ir.packing affine_int4: Q4_1's and Q4_K's blocks).
 """
 
 from __future__ import annotations
@@ -18,36 +20,38 @@ from ir.packing import AWQ_ORDER, AWQ_PACK
 
 from .config import ConfigReader
 
-AWQ_PARTS = ("qweight", "qzeros", "scales")  # the checkpoint tensors of a packed module, in the order of its parts
 PROJECTION = "_proj.weight"  # the decoder's linear projections (q/k/v/o, gate/up/down): what AWQ packs
 
 
 @dataclass(frozen=True)
 class AwqQuantization:
-    """A validated AWQ `quantization_config`: group size (-1: one group per input width) and the modules left
-    unquantised (a module whose name contains one of them keeps its float weight, as transformers reads it)."""
+    """A validated AWQ `quantization_config`: group size (-1: one group per input width), the modules left
+    unquantised (a module whose name contains one of them keeps its float weight, as transformers reads it), and
+    the modules packed with float offsets (`affine_modules`, exact names)."""
 
     group_size: int
     modules_to_not_convert: tuple[str, ...] = ()
+    affine_modules: tuple[str, ...] = ()
     quant_method: str = "awq"
     bits: int = 4
     version: str = "gemm"
     zero_point: bool = True
 
-    def packing(self, in_features: int) -> Packing:
-        """The packing of a quantised weight with `in_features` input rows."""
-        return Packing("awq_int4", in_features if self.group_size == -1 else self.group_size)
-
-    def packs(self, weight: str) -> bool:
-        """Whether the checkpoint stores this `module.weight` packed."""
+    def packing(self, weight: str, in_features: int) -> Packing | None:
+        """How the checkpoint stores `module.weight` (of `in_features` input rows): its packing, or None (float)."""
         module = weight.removesuffix(".weight")
-        return weight.endswith(PROJECTION) and not any(skip in module for skip in self.modules_to_not_convert)
+        if not weight.endswith(PROJECTION) or any(skip in module for skip in self.modules_to_not_convert):
+            return None
+        group = in_features if self.group_size == -1 else self.group_size
+        return Packing("affine_int4" if module in self.affine_modules else "awq_int4", group)
 
 
-def awq_config(group: int, modules_to_not_convert: tuple[str, ...] = ()) -> dict:
-    """The quantization_config transformers writes for an AutoAWQ GEMM INT4 checkpoint of this group size."""
+def awq_config(group: int, modules_to_not_convert: tuple[str, ...] = (), affine_modules: tuple[str, ...] = ()) -> dict:
+    """The quantization_config transformers writes for an AutoAWQ GEMM INT4 checkpoint of this group size (with
+    `affine_modules`, our key for modules with float offsets, if any)."""
     return {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True,
-            "modules_to_not_convert": list(modules_to_not_convert) or None}
+            "modules_to_not_convert": list(modules_to_not_convert) or None} | (
+        {"affine_modules": list(affine_modules)} if affine_modules else {})
 
 
 def awq_pack(values: np.ndarray) -> np.ndarray:
@@ -84,17 +88,19 @@ def read_quantization(cfg: ConfigReader) -> AwqQuantization | None:
     skip = q.get("modules_to_not_convert", [])
     if not isinstance(skip, list) or not all(isinstance(m, str) and m for m in skip):
         raise q.error("modules_to_not_convert", f"must be a list of module names, got {skip!r}")
-    return AwqQuantization(group, tuple(skip))
+    affine = q.get("affine_modules", [])
+    if not isinstance(affine, list) or not all(isinstance(m, str) and m for m in affine):
+        raise q.error("affine_modules", f"must be a list of module names, got {affine!r}")
+    return AwqQuantization(group, tuple(skip), tuple(affine))
 
 
 def check_groups(quant: AwqQuantization | None, shapes: Mapping[str, tuple[int, ...]], cfg: ConfigReader) -> None:
     """Every packed weight's input width must split into whole groups, and its outputs into whole words."""
     for name, shape in shapes.items():
-        if quant is not None and quant.packs(name):
-            problem = quant.packing(shape[1]).problem(shape)
-            if problem:
-                raise _reader(cfg).error("group_size", f"is {quant.group_size}, but {name} [{shape[0]}, {shape[1]}] "
-                                         f"cannot be packed: {problem}")
+        packing = _packing(quant, name, shape)
+        if packing is not None and packing.problem(shape):
+            raise _reader(cfg).error("group_size", f"is {quant.group_size}, but {name} [{shape[0]}, {shape[1]}] "
+                                     f"cannot be packed: {packing.problem(shape)}")
 
 
 def _reader(cfg: ConfigReader) -> ConfigReader:
@@ -102,24 +108,36 @@ def _reader(cfg: ConfigReader) -> ConfigReader:
     return ConfigReader(cfg.raw["quantization_config"], f"{cfg.source}: quantization_config")
 
 
+def _packing(quant: AwqQuantization | None, name: str, shape: tuple[int, ...]) -> Packing | None:
+    """How weight `name` of float layout `shape` is stored: its packing, or None."""
+    return None if quant is None or len(shape) != 2 else quant.packing(name, shape[1])
+
+
+def _parts(name: str, packing: Packing, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The checkpoint tensors of packed weight `name` (`module.<part>`): their shapes and dtypes (scales float16)."""
+    module = name.removesuffix(".weight")
+    return {f"{module}.{part}": stored for part, stored in zip(packing.part_names,
+                                                               packing.checkpoint_parts(shape, "float16"))}
+
+
 def stored_shapes(shapes: Mapping[str, tuple[int, ...]], quant: AwqQuantization | None) -> dict[str, tuple[int, ...]]:
     """The checkpoint tensors and shapes of a model whose float layout is `shapes`: each packed `module.weight`
-    becomes its parts (`module.qweight`, `module.qzeros`, `module.scales`)."""
+    becomes its parts (`module.qweight`, `module.qzeros` or `module.offsets`, `module.scales`)."""
     out = {}
     for name, shape in shapes.items():
-        if quant is None or not quant.packs(name):
+        packing = _packing(quant, name, shape)
+        if packing is None:
             out[name] = shape
             continue
-        module = name.removesuffix(".weight")
-        for part, (part_shape, _) in zip(AWQ_PARTS, quant.packing(shape[1]).checkpoint_parts(shape, "float16")):
-            out[f"{module}.{part}"] = part_shape
+        out |= {part: part_shape for part, (part_shape, _) in _parts(name, packing, shape).items()}
     return out
 
 
 def packed_tensors(shapes: Mapping[str, tuple[int, ...]], quant: AwqQuantization | None) -> frozenset[str]:
     """The integer checkpoint tensors (packed words) among `stored_shapes`."""
-    return frozenset(f"{name.removesuffix('.weight')}.{part}" for name in shapes if quant is not None
-                     and quant.packs(name) for part in AWQ_PARTS[:2])
+    return frozenset(part for name, shape in shapes.items() if _packing(quant, name, shape) is not None
+                     for part, (_, dtype) in _parts(name, _packing(quant, name, shape), shape).items()
+                     if dtype == "int32")
 
 
 def make_params(shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str], default: str,
@@ -128,12 +146,11 @@ def make_params(shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str]
     given); a packed one is typed by its packing, over its parts, in the dtype of its scales."""
     params = {}
     for name, shape in shapes.items():
-        if quant is None or not quant.packs(name):
+        packing = _packing(quant, name, shape)
+        if packing is None:
             params[name] = Param(name, TensorType(shape, dtypes.get(name, default)))
             continue
-        module = name.removesuffix(".weight")
-        sources = tuple(f"{module}.{part}" for part in AWQ_PARTS)
-        packing = quant.packing(shape[1])
+        sources = tuple(_parts(name, packing, shape))
         params[name] = Param(name, TensorType(shape, dtypes.get(sources[2], default), packing), sources,
                              packing.transform)
     return params

@@ -33,7 +33,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from ir.errors import add_debug_flag, run_cli
 from models import checkpoint_tensor_shapes
 from models.pretokenize import LLAMA3_SPLIT, QWEN2_SPLIT
-from models.quantization import AWQ_PARTS, AwqQuantization, awq_config, awq_pack
+from models.quantization import AwqQuantization, awq_config, awq_pack
 
 ARCHS = ("qwen2", "llama", "qwen3_5_text", "qwen3_5")
 QWEN35_ARCHS = ("qwen3_5_text", "qwen3_5")
@@ -403,11 +403,12 @@ def awq_checkpoint(config: dict, weights: dict[str, np.ndarray], group: int,
     config = dict(config, quantization_config=awq_config(group, tuple(modules_to_not_convert)))
     packed = {}
     for name, w in weights.items():
-        if not quant.packs(name):
+        packing = quant.packing(name, w.shape[1]) if w.ndim == 2 else None
+        if packing is None:
             packed[name] = w
             continue
         module = name.removesuffix(".weight")
-        packed |= {f"{module}.{part}": array for part, array in zip(AWQ_PARTS, awq_quantize(w, group))}
+        packed |= {f"{module}.{part}": array for part, array in zip(packing.part_names, awq_quantize(w, group))}
     return config, packed
 
 

@@ -66,6 +66,8 @@ TRANSFORMS = {
     "awq_tiles": lambda arrays: [awq_tiles(arrays[0]), *arrays[1:]],
     "awq_pairs": lambda arrays: [pair_words(arrays[0], arrays[2].shape[1]), pair_words(arrays[1], arrays[2].shape[1]),
                                  pair_scales(arrays[2])],
+    "affine_pairs": lambda arrays: [pair_words(arrays[0], arrays[2].shape[1]), pair_scales(arrays[1]),
+                                    pair_scales(arrays[2])],
 }
 """The weight map's transforms (ir.graph.WEIGHT_TRANSFORMS): source arrays -> the arrays the param is passed as."""
 

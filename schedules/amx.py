@@ -16,10 +16,10 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ir.packing import PAIR_SLOTS, pair_column, pair_order, pair_scale, pair_value
+from ir.packing import PAIR_SLOTS, pair_column
 
-from .written import (PAIR_ROWS, bf16_bits, linear_func, pack_activation_pairs, packed_linear_func, transpose,
-                      widened)
+from .written import (PAIR_ROWS, bf16_bits, group_product, linear_func, pack_activation_pairs, packed_linear_func,
+                      transpose, widened)
 
 TILE = PAIR_ROWS  # rows per tile (16); a tile row holds 64 bytes: 32 bfloat16 or 16 float32
 DEPTH = 32  # bfloat16 depth per dot product
@@ -153,8 +153,8 @@ def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     are B, whose layout they already have: `(word >> 4n) & 0x000F000F` is a pair (depth 2p, depth 2p + 1) of
     4-bit values per column, and one vpermw turns each into its exact bfloat16. A task unpacks its column tile
     once (every depth, four nibbles) and reuses it for every block of token rows. C sums x * q over one group;
-    after each group, y += s * (C - z * sum of x over the group), so the weights are exact and only the
-    activations are rounded, as in `amx_gemm`."""
+    after each group, y += s * (C - z * sum of x over the group) (affine: s * C + m * that sum), so the weights
+    are exact and only the activations are rounded, as in `amx_gemm`."""
     x_buf, q_buf, z_buf, s_buf = func.params[:4]
     m, k = (int(d) for d in x_buf.shape)
     tiles, pairs, words = (int(d) for d in q_buf.shape)
@@ -214,10 +214,9 @@ def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
                 for xt, nt, r in T.grid(2, 2, TILE):  # acc[xt, nt] is [token, column] of nibble 2 half + nt
                     for c in T.vectorized(TILE):
                         yacc[rows * BLOCK + xt * TILE + r, (2 * half + nt) * TILE + c] = yacc[
-                            rows * BLOCK + xt * TILE + r, (2 * half + nt) * TILE + c] + T.Cast(
-                            "float32", sc[pair_scale(pair_order(task, 2 * half + nt, c, words), g, words)]) * (
-                            acc[xt, nt, r, c] - T.Cast("float32", pair_value(qz[task, g // 2, c], g, 2 * half + nt))
-                            * xsum[rows * BLOCK + xt * TILE + r, g])
+                            rows * BLOCK + xt * TILE + r, (2 * half + nt) * TILE + c] + group_product(
+                            qz, sc, task, g, 2 * half + nt, c, words, acc[xt, nt, r, c],
+                            xsum[rows * BLOCK + xt * TILE + r, g])
             for r, n, c in T.grid(m, PAIR_SLOTS, TILE):
                 ys[r, pair_column(task, n, c, words)] = first(pair_column(task, n, c, words)) + yacc[r, n * TILE + c]
             T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))

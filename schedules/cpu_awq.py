@@ -14,7 +14,7 @@ with d = max |x| / 32767 over the block, x = d * (x1 + x2 / 2 ** 15) + e, x1 = r
 as close to float32 ones as float32 sums are to exact ones. Each of x1 and x2 has its own integer sums (at most
 X_BLOCK * 32767 * 15 * 16 < 2 ** 31, nibble 1's factor below included: no overflow); at a block's end they become
 float32, and with the block's x sum the zero points and scales are applied: over a group, sum x * (q - z) * s =
-s * (sum x * q - z * sum x).
+s * (sum x * q - z * sum x) (an affine weight's offsets: sum x * (q * s + m) = s * sum x * q + m * sum x).
 
 Extracting the pairs of nibble n costs one operation for three of the four: nibble 0 is masked where it lies,
 nibble 1 too (16 times its value, undone after the block), nibble 3 is a 16-bit shift alone; nibble 2 is shifted
@@ -32,9 +32,9 @@ from math import gcd
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ir.packing import PAIR_SLOTS, pair_column, pair_order, pair_scale, pair_value
+from ir.packing import PAIR_SLOTS, pair_column
 
-from .written import packed_linear_func, prefetch
+from .written import group_product, packed_linear_func, prefetch
 
 PREFETCH_PAIRS = 64  # row pairs ahead the first pass over a tile asks for (into L2): 4 KiB of a 16-word tile
 X_BLOCK = 128  # input rows per activation scale, at most
@@ -159,13 +159,12 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
     activations = _integer_activations(block, lanes)
 
     def block_sum(sum1, sum2, d, xs_sum, qz, sc, task, g, n, word):
-        """A block's sum of x * (q - z) * s for the column of `word` in nibble n, from its integer sums of x1 * q
-        and x2 * q (nibble IN_PLACE's 16 times too large) and x's scale and sum over the block (group g)."""
+        """A block's sum of x * W for the column of `word` in nibble n (written.group_product), from its integer
+        sums of x1 * q and x2 * q (nibble IN_PLACE's 16 times too large) and x's scale and sum over the block
+        (group g)."""
         unit = T.Select(n == IN_PLACE, T.float32(1 / 16), T.float32(1))  # 16 ** -n for n <= IN_PLACE
         sum_xq = d * unit * (T.Cast("float32", sum1) + T.Cast("float32", sum2) * T.float32(1 / SPLIT))
-        zero = pair_value(qz[task, g // 2, word], g, n)
-        return T.Cast("float32", sc[pair_scale(pair_order(task, n, word, words), g, words)]) * (
-            sum_xq - xs_sum * T.Cast("float32", zero))
+        return group_product(qz, sc, task, g, n, word, words, sum_xq, xs_sum)
 
     @T.macro
     def dots(acc, xw, term, w, task, rt, vt, pair):

@@ -5,6 +5,8 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ir.packing import pair_order, pair_scale, pair_value
+
 CACHE_LINE = 64  # bytes: what one prefetch brings in
 FLOATS_PER_LINE = CACHE_LINE // 4
 
@@ -50,14 +52,15 @@ def linear_func(func: tirx.PrimFunc, products) -> tirx.PrimFunc:
 
 
 def packed_linear_func(func: tirx.PrimFunc, products) -> tirx.PrimFunc:
-    """As `linear_func`, for a `linear` kernel with a packed weight (x, qweight, qzeros, scales, optional bias, y):
-    the body is `products(x, qweight, qzeros, scales, y, first)`."""
+    """As `linear_func`, for a `linear` kernel with a packed weight (x, qweight, qzeros or offsets, scales, optional
+    bias, y): the body is `products(x, qweight, qzeros, scales, y, first)`."""
     x_buf, q_buf, z_buf, s_buf, *rest = func.params
     (m, k), n = (int(d) for d in x_buf.shape), int(rest[-1].shape[1])  # y [m, n]
     q_shape, z_shape, s_shape, s_dtype = tuple(q_buf.shape), tuple(z_buf.shape), tuple(s_buf.shape), s_buf.dtype
+    z_dtype = z_buf.dtype
     if not rest[:-1]:
         @T.prim_func(check_well_formed=False)
-        def linear(x: T.Buffer((m, k), "float32"), qw: T.Buffer(q_shape, "int32"), qz: T.Buffer(z_shape, "int32"),
+        def linear(x: T.Buffer((m, k), "float32"), qw: T.Buffer(q_shape, "int32"), qz: T.Buffer(z_shape, z_dtype),
                    sc: T.Buffer(s_shape, s_dtype), y: T.Buffer((m, n), "float32")):
             products(x, qw, qz, sc, y, lambda j: T.float32(0))
         return linear
@@ -65,7 +68,7 @@ def packed_linear_func(func: tirx.PrimFunc, products) -> tirx.PrimFunc:
     bias_dtype = rest[0].dtype
 
     @T.prim_func(check_well_formed=False)
-    def linear_bias(x: T.Buffer((m, k), "float32"), qw: T.Buffer(q_shape, "int32"), qz: T.Buffer(z_shape, "int32"),
+    def linear_bias(x: T.Buffer((m, k), "float32"), qw: T.Buffer(q_shape, "int32"), qz: T.Buffer(z_shape, z_dtype),
                     sc: T.Buffer(s_shape, s_dtype), b: T.Buffer((n,), bias_dtype), y: T.Buffer((m, n), "float32")):
         products(x, qw, qz, sc, y, lambda j: T.Cast("float32", b[j]))
     return linear_bias
@@ -102,6 +105,17 @@ def pack_activation_pairs(x, xp):
         for d, r in T.grid(xp.shape[1], PAIR_ROWS):
             for p in T.vectorized(2):
                 xp[rb, d, r, p] = bf16_bits(x[rb * PAIR_ROWS + r, d * 2 + p])
+
+
+def group_product(zeros, scales, task, g, n, word, tile: int, sum_xq, sum_x):
+    """A group's sum of x * W[column] for the column of word `word` in nibble n of column tile `task` (the pairs
+    layout, ir.packing), from x's sum with the 4-bit values (sum_xq) and x's own sum (sum_x): s * (sum_xq - z *
+    sum_x) with AWQ zero points, s * sum_xq + m * sum_x with an affine kind's offsets (`zeros` of a float dtype)."""
+    at = pair_scale(pair_order(task, n, word, tile), g, tile)
+    if zeros.dtype != "int32":
+        return T.Cast("float32", scales[at]) * sum_xq + T.Cast("float32", zeros[at]) * sum_x
+    return T.Cast("float32", scales[at]) * (sum_xq - sum_x * T.Cast("float32", pair_value(zeros[task, g // 2, word],
+                                                                                           g, n)))
 
 
 def packed_weight(func: tirx.PrimFunc) -> bool:

@@ -251,6 +251,13 @@ def unpack(words: np.ndarray, columns: int) -> np.ndarray:
     return out
 
 
+def affine_dequantise(qweight, offsets, scales) -> np.ndarray:
+    """The float32 [out, in] matrix of an affine INT4 module (ir.packing affine_int4): q * s + m per group."""
+    group = qweight.shape[0] // scales.shape[0]
+    per_row = lambda a: np.repeat(a.astype(np.float32), group, axis=0)  # noqa: E731
+    return np.ascontiguousarray((unpack(qweight, scales.shape[1]) * per_row(scales) + per_row(offsets)).T)
+
+
 def dequantise(qweight, qzeros, scales) -> np.ndarray:
     """The float32 [out, in] matrix of one AWQ module."""
     columns = scales.shape[1]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tvm
 from bf16_cases import assert_bf16_prefill_tracks, assert_chunk_rounded_and_rows_float32, chunk_after_history
-from numpy_reference import dequantise
+from numpy_reference import affine_dequantise, dequantise
 
 from compiler.build import build
 from compiler.kernels import make_kernel
@@ -90,24 +90,27 @@ def test_activations_round_to_nearest_bfloat16_ties_to_even():
 @pytest.mark.parametrize("rows,depth,cols,group", [(32, 64, 64, 32), (64, 256, 192, 64), (128, 512, 128, 128),
                                                   (32, 128, 64, 128)])
 @pytest.mark.parametrize("bias", [None, "float16"])
-def test_amx_awq_products_are_exact_in_the_weights(rows, depth, cols, group, bias):
-    """AWQ prefill on AMX tiles: the 4-bit values enter as their exact bfloat16, zero points and scales are
-    applied per group in float32, so only the activations are rounded."""
+@pytest.mark.parametrize("kind", ["awq_int4_pairs", "affine_int4_pairs"])
+def test_amx_awq_products_are_exact_in_the_weights(rows, depth, cols, group, bias, kind):
+    """AWQ prefill on AMX tiles: the 4-bit values enter as their exact bfloat16, zero points (or an affine kind's
+    offsets) and scales are applied per group in float32, so only the activations are rounded."""
+    packing = Packing(kind, group)
     weight = (RNG.standard_normal((cols, depth)) / 16).astype(np.float32)
     qweight, qzeros, scales = awq_quantize(weight, group)
+    stored = [qweight, (RNG.standard_normal(scales.shape) / 8).astype(np.float16) if packing.affine else qzeros, scales]
     x = RNG.standard_normal((rows, depth)).astype(np.float32)
     x[:, :group] *= 3e2  # one group far larger than the rest: a per-group sum of x
     b = RNG.standard_normal(cols).astype(bias) if bias else None
-    packed = TensorType((cols, depth), "float16", Packing("awq_int4_pairs", group))
-    types = [TensorType((rows, depth), "float32"), packed]
+    types = [TensorType((rows, depth), "float32"), TensorType((cols, depth), "float16", packing)]
     kernel = make_kernel("linear", types + ([TensorType((cols,), bias)] if bias else []), {})
     target = cpu_target(matmul_precision="bfloat16")
     lib = tvm.compile(cpu.schedule(kernel.func, "linear", {}, target), target.tvm_target())
     enable_amx()
     out = tvm.runtime.empty((rows, cols), "float32", tvm.cpu())
-    parts = TRANSFORMS["awq_pairs"]([qweight, qzeros, scales])
+    parts = TRANSFORMS[packing.transform](stored)
     lib["main"](*[tvm.runtime.tensor(a) for a in [x, *parts] + ([b] if bias else [])], out)
-    want = x.astype(ml_dtypes.bfloat16).astype(np.float64) @ dequantise(qweight, qzeros, scales).T.astype(np.float64)
+    weight = (affine_dequantise if packing.affine else dequantise)(*stored)
+    want = x.astype(ml_dtypes.bfloat16).astype(np.float64) @ weight.T.astype(np.float64)
     want += b.astype(np.float64) if bias else 0
     assert "tdpbf16ps" in lib.mod.inspect_source("asm")
     np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=2e-6 * float(np.abs(want).max()))

@@ -13,7 +13,7 @@ import shutil
 import numpy as np
 import pytest
 import tvm
-from numpy_reference import dequantise, unpack
+from numpy_reference import affine_dequantise, dequantise, unpack
 from safetensors.numpy import load_file, save_file
 
 import models
@@ -141,7 +141,8 @@ def test_packed_types_are_checked_by_the_verifier():
         infer_types("rms_norm", [x, TensorType((64,), "float16", Packing("awq_int4", 32))], {"eps": 1e-6})
 
 
-LAYOUTS = {"cpu": ("awq_int4_pairs", None), "cpu-avx2": ("awq_int4_pairs", "x86-64-v3"), "gpu": ("awq_int4", None)}
+LAYOUTS = {"cpu": ("awq_int4_pairs", None), "cpu-avx2": ("awq_int4_pairs", "x86-64-v3"), "gpu": ("awq_int4", None),
+           "cpu-affine": ("affine_int4_pairs", None), "gpu-affine": ("affine_int4", None)}
 
 
 def _activations(rng, rows, inp):
@@ -159,25 +160,29 @@ def _activations(rng, rows, inp):
 # of 16 words (one row: a tile a task; two a task)
 def test_packed_linear_kernel_matches_numpy(rows, bias, out, layout):
     """Each layout's kernel (the GPU's: its definition, run here) against the independent dequantiser; rows of 16 or
-    fewer, and rows no multiple of the SIMD width, take the integer dot products on a CPU."""
+    fewer, and rows no multiple of the SIMD width, take the integer dot products on a CPU. Affine kinds take float
+    offsets in place of the zero points."""
     kind, mcpu = LAYOUTS[layout]
+    packing = Packing(kind, 64)
     rng = np.random.default_rng(rows)
-    inp, group = 256, 64
-    qweight, qzeros, scales = awq_quantize(rng.standard_normal((out, inp)).astype(np.float32) / 16, group)
+    inp = 256
+    qweight, qzeros, scales = awq_quantize(rng.standard_normal((out, inp)).astype(np.float32) / 16, packing.group)
+    offsets = (rng.standard_normal(scales.shape) / 8).astype(np.float16)
     x = _activations(rng, rows, inp)
     b = rng.standard_normal(out).astype(np.float16)
-    types = [TensorType(x.shape, "float32"), TensorType((out, inp), "float16", Packing(kind, group))]
+    types = [TensorType(x.shape, "float32"), TensorType((out, inp), "float16", packing)]
     types += [TensorType((out,), "float16")] if bias else []
     target = cpu_target(mcpu) if mcpu else cpu_target()
     func = make_kernel("linear", types, {}).func
-    if kind == "awq_int4_pairs" and out % (4 * target.lanes) == 0 and (rows <= 16 or rows % target.lanes):
+    if packing.paired and out % (4 * target.lanes) == 0 and (rows <= 16 or rows % target.lanes):
         assert awq_linear(func, target.lanes) is not None  # the integer dot products are the kernel here
     lib = tvm.compile(schedule(func, "linear", {}, target), target.tvm_target())
     y = tvm.runtime.empty((rows, out), "float32")
-    parts = TRANSFORMS[Packing(kind, group).transform]([qweight, qzeros, scales])
+    stored = [qweight, offsets if packing.affine else qzeros, scales]
+    parts = TRANSFORMS[packing.transform](stored)
     lib["main"](*[tvm.runtime.tensor(a) for a in (x, *parts) + ((b,) if bias else ())], y)
-    want = x.astype(np.float64) @ dequantise(qweight, qzeros, scales).T.astype(np.float64) + (
-        b.astype(np.float64) if bias else 0)
+    weight = (affine_dequantise if packing.affine else dequantise)(*stored)
+    want = x.astype(np.float64) @ weight.T.astype(np.float64) + (b.astype(np.float64) if bias else 0)
     np.testing.assert_allclose(y.numpy(), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 

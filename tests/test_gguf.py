@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import subprocess
 
 import gguf
 import numpy as np
 import pytest
 from gguf_fixture import PACKED, permute_for_llama_cpp, random_blocks, write_gguf
+from numpy_reference import affine_dequantise
 from numpy_reference import dequantise as awq_dequantise
 
 import models
@@ -18,7 +20,6 @@ from compiler.build import build
 from models.checkpoint import CheckpointError, read_tensor, scan_checkpoint
 from models.config import ModelConfigError
 from models.ggml_types import BLOCK_TYPES, dequantise, rope_rows_in_order
-from models.quantization import AWQ_PARTS
 from models.gguf import GgufFile
 from models.tiny import write_tiny_checkpoint
 from runtime import CompiledModel, load_pipeline
@@ -85,8 +86,9 @@ def test_gguf_model_greedy_generation_matches_transformers(case):
 
 
 def test_gguf_weights_are_decoded_or_packed_and_reordered_at_load(case):
-    """Block types are dequantised (the entries say so), Q4_0 projections become AWQ INT4 parts instead, Llama's q and
-    k rows come back in Hugging Face's order: each equals the reference checkpoint's tensor bit for bit."""
+    """Block types are dequantised (the entries say so), 4-bit projections become INT4 parts instead, Llama's q and
+    k rows come back in Hugging Face's order: each equals the reference checkpoint's tensor bit for bit (Q4_K's to
+    float32's rounding: gguf-py multiplies its scales in another order than llama.cpp, whose we keep)."""
     ours, _, qtype, _ = case
     entries = scan_checkpoint(ours.model_dir)
     reference = {e.name: e for e in scan_checkpoint(ours.model_dir.parent / "reference").values()}
@@ -98,22 +100,28 @@ def test_gguf_weights_are_decoded_or_packed_and_reordered_at_load(case):
                  "model.layers.0.mlp.down_proj.weight", "model.norm.weight", "model.embed_tokens.weight"):
         with open(reference[name].file, "rb") as f:
             want = read_tensor(reference[name], f.read())
-        np.testing.assert_array_equal(_stored_values(entries, name), want)
+        tolerance = np.abs(want).max() * 2.0 ** -23 if qtype == "Q4_K" else 0
+        np.testing.assert_allclose(_stored_values(entries, name), want, rtol=0, atol=tolerance)
 
 
 def _stored_values(entries, name: str) -> np.ndarray:
-    """The float32 values of weight `name`: its entry's, or those its AWQ parts hold."""
+    """The float32 values of weight `name`: its entry's, or those its INT4 parts hold."""
     module = name.removesuffix(".weight")
-    parts = [entries[f"{module}.{part}"] for part in AWQ_PARTS] if name not in entries else [entries[name]]
+    affine = f"{module}.offsets" in entries
+    parts = [entries[name]] if name in entries else [
+        entries[f"{module}.{part}"] for part in ("qweight", "offsets" if affine else "qzeros", "scales")]
     with open(parts[0].file, "rb") as f:
         data = f.read()
     arrays = [read_tensor(entry, data) for entry in parts]
-    return awq_dequantise(*arrays) if len(arrays) == 3 else np.asarray(arrays[0], np.float32)
+    if len(arrays) == 1:
+        return np.asarray(arrays[0], np.float32)
+    return (affine_dequantise if affine else awq_dequantise)(*arrays)
 
 
-def test_q4_0_projections_run_packed_in_the_int4_kernels(case):
-    """A Q4_0 file is an AWQ INT4 model of group 32: its projections are packed params (4.5 bits a weight in
-    memory), everything else the file's values; other types hold every weight as values."""
+def test_4_bit_projections_run_packed_in_the_int4_kernels(case):
+    """A file with Q4_0, Q4_1 or Q4_K projections is an INT4 model of group 32: its projections are packed params
+    (AWQ's zero points for Q4_0, float offsets for the others), everything else the file's values; other types
+    hold every weight as values."""
     ours, _, qtype, _ = case
     packings = {p.name: p.packing for p in ours.manifest.params}
     words = sum(str(a.dtype) == "int32" for a in ours._params)  # what the runtime holds: packed words and zeros
@@ -121,9 +129,10 @@ def test_q4_0_projections_run_packed_in_the_int4_kernels(case):
         assert ours.manifest.quantization is None and not any(packings.values()) and words == 0
         return
     projections = [name for name in packings if name.endswith("_proj.weight")]
-    assert projections and all(packings[name] == "awq_int4_pairs(g32)" for name in projections)
+    kind = "awq_int4_pairs" if qtype == "Q4_0" else "affine_int4_pairs"
+    assert projections and all(packings[name] == f"{kind}(g32)" for name in projections)
     assert ours.manifest.quantization.group_size == 32 and ours.manifest.quantization.packed_params == len(projections)
-    assert words == 2 * len(projections) and not packings["model.embed_tokens.weight"]
+    assert words == (2 if qtype == "Q4_0" else 1) * len(projections) and not packings["model.embed_tokens.weight"]
 
 
 def test_gguf_tokenizer_and_chat_template_are_the_checkpoints(case):
@@ -142,24 +151,43 @@ def test_gguf_tokenizer_and_chat_template_are_the_checkpoints(case):
     assert pipeline.default_eos_token_ids == [eos[0] if isinstance(eos, list) else eos]
 
 
-def test_a_q4_0_file_packs_only_its_q4_0_projections(tmp_path):
-    """Projections of another type in a Q4_0 file (llama.cpp's mixes) are the quantization_config's
-    modules_to_not_convert and keep their values; the model still runs as transformers runs the stored values."""
+def test_a_file_of_mixed_types_packs_each_4_bit_projection_its_way(tmp_path):
+    """In a Q4_0 file with projections of other types (llama.cpp's mixes), Q4_1 ones are the quantization_config's
+    affine_modules (float offsets), Q8_0 and F16 ones its modules_to_not_convert (their values); the model still runs
+    as transformers runs the stored values."""
     model_dir = write_tiny_checkpoint(tmp_path / "hf", arch="qwen2", seed=13)
     path = write_gguf(model_dir, tmp_path / "gguf", "Q4_0", reference=tmp_path / "reference",
-                      types={"mlp.down_proj.weight": "Q8_0", "layers.1.self_attn.o_proj.weight": "F16"})
+                      types={"mlp.down_proj.weight": "Q8_0", "layers.1.self_attn.o_proj.weight": "F16",
+                             "mlp.gate_proj.weight": "Q4_1"})
     config = models.load_config(path.parent)
-    assert set(config.quantization.modules_to_not_convert) == set(
-        [f"model.layers.{i}.mlp.down_proj" for i in range(config.num_hidden_layers)]
-        + ["model.layers.1.self_attn.o_proj"])
+    layers = range(config.num_hidden_layers)
+    assert set(config.quantization.modules_to_not_convert) == {f"model.layers.{i}.mlp.down_proj" for i in layers} | {
+        "model.layers.1.self_attn.o_proj"}
+    assert set(config.quantization.affine_modules) == {f"model.layers.{i}.mlp.gate_proj" for i in layers}
     artifact = build(path.parent, out=tmp_path / "artifact", prefill_buckets=(8,), max_context=64, quiet=True).path
     ours = CompiledModel(path.parent, artifact)
     packings = {p.name: p.packing for p in ours.manifest.params}
     assert not packings["model.layers.0.mlp.down_proj.weight"] and not packings["model.layers.1.self_attn.o_proj.weight"]
     assert packings["model.layers.0.self_attn.o_proj.weight"] == packings["model.layers.1.mlp.up_proj.weight"] \
         == "awq_int4_pairs(g32)"
+    assert packings["model.layers.1.mlp.gate_proj.weight"] == "affine_int4_pairs(g32)"
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "reference", dtype=torch.float32).eval()
     assert_steps_match(ours, hf, [5, 17, 2, 9, 40], 6)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("ptxas") is None, reason="no CUDA toolkit installed")
+def test_a_4_bit_gguf_model_builds_for_cuda(tmp_path):
+    """Q4_0's zero points and Q4_1's offsets as the GPU kernels read them (awq_int4, affine_int4: column tiles):
+    the model builds for CUDA and ptxas accepts every kernel."""
+    model_dir = write_tiny_checkpoint(tmp_path / "hf", arch="qwen2", seed=14)
+    path = write_gguf(model_dir, tmp_path / "gguf", "Q4_0", types={"mlp.up_proj.weight": "Q4_1"})
+    out = build(path.parent, target="cuda", out=tmp_path / "artifact", prefill_buckets=(16,), max_context=64,
+                quiet=True).path
+    packings = {p["packing"] for p in json.loads((out / "manifest.json").read_text())["params"]}
+    assert {"awq_int4(g32)", "affine_int4(g32)"} <= packings
+    assembled = subprocess.run(["ptxas", "-arch=sm_90", str(out / "kernels.ptx"), "-o", "/dev/null"],
+                               capture_output=True, text=True)
+    assert assembled.returncode == 0, assembled.stderr
 
 
 @pytest.mark.parametrize("qtype", sorted(name for name, _, _ in BLOCK_TYPES.values()))
