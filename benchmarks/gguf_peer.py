@@ -7,8 +7,9 @@ real-shape checkpoint, so the files are what users download: llama.cpp's tensor 
 Q4_K with Q6_K), its SentencePiece vocabulary, Llama's permuted q/k rows. Per file it prints one JSON line:
 whether the prompt's tokens are llama.cpp's, the prompt's last logits against llama.cpp's (largest difference
 relative to llama.cpp's largest logit; llama.cpp rounds activations for its quantised products, we do not), how
-many of 16 greedy tokens agree, how many projections we ran packed (Q4_0's, in the INT4 kernels; the other block
-types are decoded to float16 at load), and decode tokens/s of both, alternating (medians of --runs).
+many of 16 greedy tokens agree, how many projections we ran packed (Q4_0's, Q4_1's and Q4_K's, in the INT4
+kernels; the other block types are decoded to float16 at load), and prefill (the prompt, in chunks of 64) and decode tokens/s of both,
+alternating (medians of --runs).
 """
 
 from __future__ import annotations
@@ -83,17 +84,34 @@ def compare(gguf: Path, work: Path, runs: int) -> dict:
             token = int(np.argmax(peer_logits([token])))
         return DECODE / (time.perf_counter() - start)
 
-    rates = {"ours": [], "llama.cpp": []}
+    def ours_prefill():
+        cache = ours.new_cache(len(ids) + 1)
+        start = time.perf_counter()
+        ours.forward(ids, cache)
+        return len(ids) / (time.perf_counter() - start)
+
+    def peer_prefill():
+        llm.reset()
+        start = time.perf_counter()
+        peer_logits(ids)
+        return len(ids) / (time.perf_counter() - start)
+
+    timers = {"ours_prefill": ours_prefill, "peer_prefill": peer_prefill, "ours": ours_decode,
+              "llama.cpp": peer_decode}
+    rates = {name: [] for name in timers}
     for _ in range(runs):
-        rates["ours"].append(ours_decode())
-        rates["llama.cpp"].append(peer_decode())
-    ours_rate, peer_rate = (statistics.median(rates[k]) for k in ("ours", "llama.cpp"))
+        for name, timer in timers.items():
+            rates[name].append(timer())
+    ours_rate, peer_rate, ours_fill, peer_fill = (statistics.median(rates[k]) for k in (
+        "ours", "llama.cpp", "ours_prefill", "peer_prefill"))
     llm.close()
     quantization = ours.manifest.quantization
     return {"gguf": gguf.name, "packed_params": quantization.packed_params if quantization else 0,
             "tokens_equal": ids == theirs_ids, "prompt_tokens": len(ids),
             "logit_difference": float(np.abs(got - want).max() / np.abs(want).max()),
             "argmax_equal": int(np.argmax(got)) == int(np.argmax(want)), "greedy_tokens_agreeing": agree,
+            "prefill_tok_s": round(ours_fill, 1), "llama_cpp_prefill_tok_s": round(peer_fill, 1),
+            "prefill_ratio": round(ours_fill / peer_fill, 3),
             "decode_tok_s": round(ours_rate, 2), "llama_cpp_decode_tok_s": round(peer_rate, 2),
             "decode_ratio": round(ours_rate / peer_rate, 3)}
 

@@ -187,7 +187,7 @@ def _entry(path: Path, name: str, shape: tuple[int, ...], kind: int, begin: int,
 
 def gguf_tensors(path: Path) -> dict[str, TensorEntry]:
     """A GGUF file's tensors under their Hugging Face names (unknown ones keep theirs, so a check can name them):
-    a packed Q4_0 projection as its AWQ parts; Llama's q and k marked for reordering."""
+    a packed 4-bit projection as its INT4 parts; Llama's q and k marked for reordering."""
     gguf = read_gguf(path)
     config = gguf_config(gguf)
     packed = _packed(gguf)

@@ -22,7 +22,7 @@ from models.config import ModelConfigError
 from models.ggml_types import BLOCK_TYPES, dequantise, rope_rows_in_order
 from models.gguf import GgufFile
 from models.tiny import write_tiny_checkpoint
-from runtime import CompiledModel, load_pipeline
+from runtime import CompiledModel, GreedyGenerationConfig, load_pipeline
 from runtime.gguf_tokenizer import gguf_tokenizer
 from runtime.tokenizer import Tokenizer, TokenizerError
 
@@ -188,6 +188,25 @@ def test_a_4_bit_gguf_model_builds_for_cuda(tmp_path):
     assembled = subprocess.run(["ptxas", "-arch=sm_90", str(out / "kernels.ptx"), "-o", "/dev/null"],
                                capture_output=True, text=True)
     assert assembled.returncode == 0, assembled.stderr
+
+
+def test_a_4_bit_gguf_model_runs_from_a_deploy_bundle(tmp_path):
+    """`compiler bundle` of a GGUF model carries the file; under another Python without TVM (or gguf-py) the bundle
+    reads it, repacks its 4-bit projections and gives the tokens of the full install."""
+    from test_bundle import PYTHON, PROMPT, TARGET_PYTHON, make_bundle, run_bundle
+    if PYTHON is None:
+        pytest.skip(f"no Python {TARGET_PYTHON} interpreter on this machine")
+    model_dir = write_tiny_checkpoint(tmp_path / "hf", arch="llama", seed=15)
+    path = write_gguf(model_dir, tmp_path / "gguf", "Q4_0", types={"mlp.up_proj.weight": "Q4_1"})
+    artifact = build(path.parent, out=tmp_path / "artifact", prefill_buckets=(16,), max_context=64, quiet=True).path
+    make_bundle(artifact, tmp_path / "bundle")
+    assert (tmp_path / "bundle" / "model" / "model.gguf").is_file()
+    result = run_bundle(tmp_path / "bundle", "generate", PROMPT, "10")
+    assert result.returncode == 0, result.stderr
+    run = json.loads(result.stdout.splitlines()[-1])
+    want = load_pipeline(path.parent, artifact).generate_text(PROMPT, GreedyGenerationConfig(10), add_special_tokens=True,
+                                                              skip_special_tokens=True)
+    assert run["generated_token_ids"] == want.generated_token_ids
 
 
 @pytest.mark.parametrize("qtype", sorted(name for name, _, _ in BLOCK_TYPES.values()))
