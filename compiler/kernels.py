@@ -7,7 +7,9 @@ instead. Float math is float32; weights are widened where they are read.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -91,7 +93,8 @@ def linear(types, attrs) -> Kernel:
 
 def _unpacked(packing: Packing | None, parts: list):
     """weight(j, k): element [j, k] of the logical weight matrix as float32, read from its parts (of the pairs
-    layout: j in the layout's column order, ir.packing.pair_index): (q - z) * s, or q * s + m for an affine kind."""
+    layout: j in the layout's column order, ir.packing.pair_index): (q - z) * s, or q * s + m for an affine kind;
+    summed over its planes (ir.packing)."""
     if packing is None:
         return lambda j, k: _f32(parts[0][j, k])
     qweight, zeros, scales = parts
@@ -112,8 +115,14 @@ def _unpacked(packing: Packing | None, parts: list):
         zero = lambda j, k: nibble(zeros[k // group, j // AWQ_PACK], j)  # noqa: E731
         group_float = lambda part, j, k: _f32(part[k // group, j])  # noqa: E731
     if packing.affine:
-        return lambda j, k: quant(j, k).astype(F32) * group_float(scales, j, k) + group_float(zeros, j, k)
-    return lambda j, k: (quant(j, k) - zero(j, k)).astype(F32) * group_float(scales, j, k)
+        plane = lambda j, r: quant(j, r).astype(F32) * group_float(scales, j, r) + group_float(zeros, j, r)  # noqa: E731
+    else:
+        plane = lambda j, r: (quant(j, r) - zero(j, r)).astype(F32) * group_float(scales, j, r)  # noqa: E731
+    if packing.planes == 1:
+        return plane
+    span = packing.planes * group  # packed rows of one logical group: its planes, one after another
+    return lambda j, k: functools.reduce(operator.add, (
+        plane(j, k // group * span + p * group + k % group) for p in range(packing.planes)))
 
 
 def rope(types, attrs) -> Kernel:

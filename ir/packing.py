@@ -35,6 +35,12 @@ as the scales (`offsets`, in place of qzeros):
     qweight int32 [in, out / 8], offsets [in / group, out], scales [in / group, out]       (affine_int4)
     qweight int32 [out / (4 tile), in / 2, tile], offsets and scales [out / (4 tile), in / group, 4 tile]  (_pairs)
 Over a group, sum x * (q * s + m) = s * sum x * q + m * sum x: the kernels' integer sums are the same.
+
+Planes (`Packing.planes` > 1; a GGUF file's 5-, 6- and 8-bit blocks): a wider value is the sum of 4-bit planes,
+q = 16 h + l, so W[o, i] = (h - z_h) * 16 s + (l - z_l) * s (or with offsets), exactly; each plane is one more
+group of packed rows, group after group: packed group g * planes + p holds plane p of the logical group g (the high
+plane first). The packed matrix has planes * in rows, and a kernel reads x[i] for each of its planes' rows
+(`logical_row`): the words, zero points and scales stay those of a plain 4-bit weight.
 """
 
 from __future__ import annotations
@@ -71,9 +77,10 @@ class Packing:
 
     kind: str
     group: int
+    planes: int = 1
 
     def __str__(self) -> str:
-        return f"{self.kind}(g{self.group})"
+        return f"{self.kind}(g{self.group}{f',x{self.planes}' if self.planes > 1 else ''})"
 
     def problem(self, shape: tuple) -> str | None:
         """Why a logical [out, in] matrix of `shape` cannot be packed this way, or None."""
@@ -88,6 +95,8 @@ class Packing:
             return f"group {self.group!r} does not divide the {inp} input rows"
         if self.group % 2:
             return f"group {self.group} is odd; the kernels read input rows in pairs, so groups must be even"
+        if not isinstance(self.planes, int) or self.planes < 1:
+            return f"{self.planes!r} planes; a packed weight has one or more"
         return None
 
     @property
@@ -111,8 +120,9 @@ class Packing:
         return ("qweight", "offsets" if self.affine else "qzeros", "scales")
 
     def checkpoint_parts(self, shape: tuple[int, int], dtype: str) -> tuple[tuple[tuple[int, ...], str], ...]:
-        """(shape, dtype) of each checkpoint tensor of a logical [out, in] matrix of `dtype` (`part_names`)."""
-        out, inp = shape
+        """(shape, dtype) of each checkpoint tensor of a logical [out, in] matrix of `dtype` (`part_names`): of its
+        planes * in packed rows."""
+        out, inp = shape[0], shape[1] * self.planes
         scales = ((inp // self.group, out), dtype)
         zeros = scales if self.affine else ((inp // self.group, out // AWQ_PACK), "int32")
         return (((inp, out // AWQ_PACK), "int32"), zeros, scales)
@@ -129,6 +139,11 @@ class Packing:
                                                                                      "int32"), laid)
         tile = awq_tile_words(words)
         return (((words // tile, rows, tile), "int32"), zeros, scales)
+
+
+def logical_row(row, group: int, planes: int):
+    """The input row (of x) that packed row `row` of a weight of `planes` planes multiplies (plain arithmetic)."""
+    return row // (planes * group) * group + row % group
 
 
 def awq_tile_words(words: int) -> int:

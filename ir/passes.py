@@ -59,7 +59,7 @@ def packed_as(program: Program, kinds: dict[str, str]) -> Program:
     for name, p in program.params.items():
         packing = p.type.packing
         if packing is not None and packing.kind in kinds:
-            packing = Packing(kinds[packing.kind], packing.group)
+            packing = replace(packing, kind=kinds[packing.kind])
             p = replace(p, type=replace(p.type, packing=packing), transform=packing.transform)
         params[name] = p
     return replace(program, params=params)

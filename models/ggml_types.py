@@ -4,12 +4,13 @@ A block type stores a row in blocks of 32 values (256 for the K-quants), each bl
 follows llama.cpp's `dequantize_row_*` arithmetic (float32, in its order), so every value is the float llama.cpp
 itself computes before its products.
 
-The 4-bit types' projections are not decoded at all (`int4_part`): Q4_0's values, (q - 8) * d over blocks of 32,
-are AWQ INT4's with group 32 and every zero point 8; Q4_1's, q * d + m, and Q4_K's, q * (d * scale) - dmin * min over
-sub-blocks of 32, are ir.packing's affine_int4 with group 32. Their nibbles are repacked into the words the INT4
-kernels read and their scales (and offsets) laid out per group: Q4_0's and Q4_1's float16s as they are, Q4_K's
-products as float32 (exact, as llama.cpp computes them). A decode step reads 4.5 bits a weight of a Q4_0 or Q4_1
-projection (llama.cpp: 4.5, 5), 6 of a Q4_K one (llama.cpp: 4.5).
+Projections of the integer types (INT_TYPES: all but Q2_K and Q3_K) are not decoded at all (`int4_part`): each
+type's values are integers u with a scale and a zero point Z, W = (u - Z) * s (Q4_0, Q5_0, Q6_K, Q8_0), or an offset,
+W = u * s + m (Q4_1, Q5_1, Q4_K, Q5_K), per group of 32 (Q6_K: 16). Those are ir.packing's awq_int4 and affine_int4,
+exactly, a value of 5, 6 or 8 bits as two 4-bit planes, u = 16 h + l. Their bits are repacked into the words the INT4
+kernels read and their scales (and offsets) laid out per group: float16s as they are, the K-quants' products as
+float32 (exact, as llama.cpp computes them). Bits a weight a decode step reads, ours (llama.cpp's): Q4_0 4.6 (4.5),
+Q4_1 5 (5), Q4_K 6 (4.5), Q5_0 9.3 (5.5), Q5_1 10 (6), Q5_K 10 (5.5), Q6_K 12.3 (6.6), Q8_0 9.3 (8.5); 16 decoded.
 """
 
 from __future__ import annotations
@@ -29,13 +30,11 @@ OTHER_TYPES = {15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_
                22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M"}
 SUPPORTED = ", ".join(name for name, _, _ in (*RAW_TYPES.values(), *BLOCK_TYPES.values()))
 _BLOCK_BYTES = {name: size for name, _, size in BLOCK_TYPES.values()}
-INT4_GROUP, Q4_0_ZERO = 32, 8  # the 4-bit types packed: values per scale; Q4_0's zero point of every group
-INT4_KINDS = {"Q4_0": "awq_int4", "Q4_1": "affine_int4", "Q4_K": "affine_int4"}  # packing kind (ir.packing) of each
-INT4_SCALE_DTYPES = {"Q4_0": "F16", "Q4_1": "F16", "Q4_K": "F32"}  # what a group's scale and offset are held as
-_INT4_LOGICAL = {"qweight": lambda rows, words: (words * AWQ_PACK, rows),
-                 "qzeros": lambda groups, words: (words * AWQ_PACK, groups * INT4_GROUP),
-                 "offsets": lambda groups, out: (out, groups * INT4_GROUP),
-                 "scales": lambda groups, out: (out, groups * INT4_GROUP)}  # part shape -> its [out, in] matrix
+INT_TYPES = {  # the types whose values are integers with a scale and a zero point or offset per group: the INT4
+    # packing each takes (ir.packing: kind, group, planes) and the dtype its scales and offsets are held as
+    "Q4_0": ("awq_int4", 32, 1, "F16"), "Q4_1": ("affine_int4", 32, 1, "F16"), "Q4_K": ("affine_int4", 32, 1, "F32"),
+    "Q5_0": ("awq_int4", 32, 2, "F16"), "Q5_1": ("affine_int4", 32, 2, "F16"), "Q5_K": ("affine_int4", 32, 2, "F32"),
+    "Q6_K": ("awq_int4", 16, 2, "F32"), "Q8_0": ("awq_int4", 32, 2, "F16")}
 _TWO_BIT_SHIFTS = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
 
 
@@ -86,18 +85,43 @@ def _q3_k_scales(s: np.ndarray) -> np.ndarray:
     return (packed | (pairs << 4)).astype(np.float32) - 32
 
 
+def _integers(encoding: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | int]:
+    """Blocks [n, bytes] of a type of INT_TYPES -> (u [n, values] unsigned integers, s [n, sub-blocks] float32
+    scales, and the zero point: an integer Z, W = (u - Z) * s, or float32 offsets m [n, sub-blocks], W = u * s + m),
+    in llama.cpp's arithmetic."""
+    if encoding == "Q8_0":
+        return b[:, 2:] ^ np.uint8(0x80), _half(b, 0), 128  # the int8 values + 128
+    if encoding == "Q4_0":
+        return _nibbles(b[:, 2:]), _half(b, 0), 8
+    if encoding == "Q4_1":
+        return _nibbles(b[:, 4:]), _half(b, 0), _half(b, 2)
+    if encoding == "Q5_0":
+        return _nibbles(b[:, 6:]) | _fifth_bits(b, 2), _half(b, 0), 16
+    if encoding == "Q5_1":
+        return _nibbles(b[:, 8:]) | _fifth_bits(b, 4), _half(b, 0), _half(b, 2)
+    if encoding in ("Q4_K", "Q5_K"):
+        scales, mins = _k4_scales(b[:, 4:16])
+        q = _k4_layout(b[:, 16:144] if encoding == "Q4_K" else b[:, 48:176])
+        if encoding == "Q5_K":
+            bits = np.unpackbits(b[:, 16:48, None], axis=2, bitorder="little")  # bit j: chunk j of 32 values
+            q = q | (bits.transpose(0, 2, 1).reshape(-1, 256) * np.uint8(16))
+        return q, _half(b, 0) * scales, -(_half(b, 2) * mins)
+    if encoding == "Q6_K":
+        ql, qh = b[:, 0:128].reshape(-1, 2, 2, 32), b[:, 128:192].reshape(-1, 2, 1, 32)  # [n, half, 2, 32]
+        low = np.concatenate([ql & 0xF, ql >> 4], axis=2)  # [n, half, 4, 32]
+        high = (qh >> _TWO_BIT_SHIFTS) & 3
+        return (low | (high << 4)).reshape(-1, 256), _half(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32), 32
+    raise ValueError(f"no integers for {encoding}")
+
+
 def _decode(encoding: str, b: np.ndarray) -> np.ndarray:
     """Blocks [n, bytes] of `encoding` -> float32 [n, values]."""
-    if encoding == "Q8_0":
-        return _half(b, 0) * b[:, 2:].view(np.int8).astype(np.float32)
-    if encoding == "Q4_0":
-        return _half(b, 0) * (_nibbles(b[:, 2:]).astype(np.float32) - 8)
-    if encoding == "Q4_1":
-        return _half(b, 0) * _nibbles(b[:, 4:]).astype(np.float32) + _half(b, 2)
-    if encoding == "Q5_0":
-        return _half(b, 0) * ((_nibbles(b[:, 6:]) | _fifth_bits(b, 2)).astype(np.float32) - 16)
-    if encoding == "Q5_1":
-        return _half(b, 0) * (_nibbles(b[:, 8:]) | _fifth_bits(b, 4)).astype(np.float32) + _half(b, 2)
+    if encoding in INT_TYPES:
+        u, scale, zero = _integers(encoding, b)
+        size = u.shape[1] // scale.shape[1]
+        if isinstance(zero, int):
+            return _sub_blocks(u.astype(np.float32) - zero, scale, size)
+        return _sub_blocks(u.astype(np.float32), scale, size) + np.repeat(zero, size, axis=1)
     if encoding == "Q2_K":
         scales = b[:, 0:16]
         d, m = _half(b, 80) * (scales & 0xF).astype(np.float32), _half(b, 82) * (scales >> 4).astype(np.float32)
@@ -107,20 +131,6 @@ def _decode(encoding: str, b: np.ndarray) -> np.ndarray:
         missing = (1 - high.transpose(0, 2, 1).reshape(-1, 256)).astype(np.float32) * 4  # plane = chunk of 32
         q = _two_bits(b[:, 32:96]).astype(np.float32) - missing
         return _sub_blocks(q, _half(b, 108) * _q3_k_scales(b[:, 96:108]), 16)
-    if encoding in ("Q4_K", "Q5_K"):
-        scales, mins = _k4_scales(b[:, 4:16])
-        q = _k4_layout(b[:, 16:144] if encoding == "Q4_K" else b[:, 48:176])
-        if encoding == "Q5_K":
-            bits = np.unpackbits(b[:, 16:48, None], axis=2, bitorder="little")  # bit j: chunk j of 32 values
-            q = q | (bits.transpose(0, 2, 1).reshape(-1, 256) * np.uint8(16))
-        d, m = _half(b, 0) * scales, _half(b, 2) * mins
-        return _sub_blocks(q.astype(np.float32), d, 32) - np.repeat(m, 32, axis=1)
-    if encoding == "Q6_K":
-        ql, qh = b[:, 0:128].reshape(-1, 2, 2, 32), b[:, 128:192].reshape(-1, 2, 1, 32)  # [n, half, 2, 32]
-        low = np.concatenate([ql & 0xF, ql >> 4], axis=2)  # [n, half, 4, 32]
-        high = (qh >> _TWO_BIT_SHIFTS) & 3
-        q = (low | (high << 4)).reshape(-1, 256).astype(np.float32) - 32
-        return _sub_blocks(q, _half(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32), 16)
     raise ValueError(f"no decoding for {encoding}")
 
 
@@ -130,26 +140,34 @@ def dequantise(encoding: str, raw: np.ndarray, shape: tuple[int, ...]) -> np.nda
 
 
 def int4_part(encoding: str, raw: np.ndarray, shape: tuple[int, int], part: str, rope_rows: int = 0) -> np.ndarray:
-    """Part `part` (qweight, qzeros or offsets, scales; of `shape`) of the INT4 packing (INT4_KINDS, group 32) that
+    """Part `part` (qweight, qzeros or offsets, scales; of `shape`) of the INT4 packing of INT_TYPES[encoding] that
     holds the same values as a matrix stored as `encoding` blocks (`raw`: its bytes, uint8), the words as int32, the
-    scales and offsets as float32 (exact; held as INT4_SCALE_DTYPES); with `rope_rows`, its rows first put back in
-    Hugging Face's order (`rope_rows_in_order`)."""
-    out, inp = _INT4_LOGICAL[part](*shape)
-    if part == "qzeros":
-        return awq_pack(np.full((inp // INT4_GROUP, out), Q4_0_ZERO, np.uint8))
+    scales and offsets as float32 (exact; held as INT_TYPES says); with `rope_rows`, its rows first put back in
+    Hugging Face's order (`rope_rows_in_order`). A value of more than 4 bits is two planes, u = 16 h + l: h with
+    the zero point Z // 16 (or the offset) and 16 times the scale, l with the zero point Z % 16 (or none)."""
+    _, group, planes, _ = INT_TYPES[encoding]
+    rows = shape[0] * (1 if part == "qweight" else group)  # packed rows: planes * in
+    out = shape[1] * (AWQ_PACK if part in ("qweight", "qzeros") else 1)
+    inp = rows // planes
+    groups = inp // group
     blocks = np.ascontiguousarray(raw).reshape(out, -1, _BLOCK_BYTES[encoding])
     if rope_rows:
         blocks = rope_rows_in_order(blocks, rope_rows)
-    b = blocks.reshape(-1, _BLOCK_BYTES[encoding])
+    u, scale, zero = _integers(encoding, blocks.reshape(-1, _BLOCK_BYTES[encoding]))
     if part == "qweight":
-        q = _k4_layout(b[:, 16:144]) if encoding == "Q4_K" else _nibbles(b[:, 2 if encoding == "Q4_0" else 4:])
-        return awq_pack(q.reshape(out, inp).T)
-    if encoding == "Q4_K":
-        scales, mins = _k4_scales(b[:, 4:16])
-        scale, offset = _half(b, 0) * scales, -(_half(b, 2) * mins)
+        u = u.reshape(out, groups, 1, group)
+        planed = np.concatenate([u >> 4, u & 15], axis=2) if planes == 2 else u  # [out, group, plane, row]
+        return awq_pack(planed.reshape(out, planes * inp).T)
+    if part == "qzeros":
+        zeros = np.array([zero // 16, zero % 16] if planes == 2 else [zero], np.uint8)
+        return awq_pack(np.broadcast_to(np.tile(zeros, groups)[:, None], (planes * groups, out)))
+    scale = scale.reshape(out, groups, 1)
+    if part == "scales":
+        value = np.concatenate([scale * 16, scale], axis=2) if planes == 2 else scale
     else:
-        scale, offset = _half(b, 0), _half(b, 2)
-    return np.ascontiguousarray((scale if part == "scales" else offset).reshape(out, inp // INT4_GROUP).T)
+        offset = zero.reshape(out, groups, 1)
+        value = np.concatenate([offset, np.zeros_like(offset)], axis=2) if planes == 2 else offset
+    return np.ascontiguousarray(value.reshape(out, planes * groups).T)
 
 
 def rope_rows_in_order(array: np.ndarray, head_dim: int) -> np.ndarray:

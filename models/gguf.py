@@ -3,14 +3,14 @@ the loaders need from them: a config.json-like dict, the tensors under Hugging F
 
     MODEL_DIR/NAME.gguf    one GGUF file and no config.json: the model, its tokenizer and its chat template
 
-Tensors stored as F32, F16 or BF16 are used as they are. Projections stored as Q4_0, Q4_1 or Q4_K stay packed: the
-model is an AWQ INT4 one of group 32 (its quantization_config says so, naming the projections stored otherwise as
-not converted, and the Q4_1 and Q4_K ones, whose groups have float offsets, as `affine_modules`), each such
-projection's parts repacked from the same bits at load (models.ggml_types.int4_part). The other block tensors
-(Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q5_K, Q6_K, and the 4-bit types outside the projections) are dequantised
-when the weights are loaded, to the values llama.cpp computes, rounded to float16 (BLOCK_DTYPE: half the bytes of
-float32 for every decode step to read, within 2^-11 of each value, some 40x finer than llama.cpp's own rounding of
-the activations for its quantised products). Llama's q and k rows, which llama.cpp's converter interleaves for its
+Tensors stored as F32, F16 or BF16 are used as they are. Projections stored in an integer type (all block types but
+Q2_K and Q3_K) stay packed: the model is an AWQ INT4 one of group 32 (its quantization_config says so, naming the
+projections stored otherwise as not converted, and those packed otherwise than Q4_0's plain AWQ INT4, with float
+offsets or as two planes, in `packed_modules`), each such projection's parts repacked from the same bits at load
+(models.ggml_types.int4_part). The other block tensors (Q2_K, Q3_K, and every type outside the projections) are
+dequantised when the weights are loaded, to the values llama.cpp computes, rounded to float16 (BLOCK_DTYPE: half the
+bytes of float32 for every decode step to read, within 2^-11 of each value, some 40x finer than llama.cpp's own
+rounding of the activations for its quantised products). Llama's q and k rows, which llama.cpp's converter interleaves for its
 rotary layout, are put back in Hugging Face's order at load.
 """
 
@@ -28,7 +28,7 @@ from ir import Packing
 
 from .checkpoint import CheckpointError, TensorEntry, read_tensor
 from .config import ModelConfigError
-from .ggml_types import BLOCK_TYPES, INT4_GROUP, INT4_KINDS, INT4_SCALE_DTYPES, OTHER_TYPES, RAW_TYPES, SUPPORTED
+from .ggml_types import BLOCK_TYPES, INT_TYPES, OTHER_TYPES, RAW_TYPES, SUPPORTED
 from .quantization import PROJECTION, awq_config
 
 MAGIC = b"GGUF"
@@ -206,7 +206,7 @@ def gguf_tensors(path: Path) -> dict[str, TensorEntry]:
         for part, (shape, dtype) in zip(packing.part_names, packing.checkpoint_parts(entry.shape, "float32")):
             out[f"{module}.{part}"] = TensorEntry(
                 f"{module}.{part}", entry.file, entry.start, entry.end,
-                "I32" if dtype == "int32" else INT4_SCALE_DTYPES[entry.encoding], shape, entry.encoding, rope_rows,
+                "I32" if dtype == "int32" else INT_TYPES[entry.encoding][3], shape, entry.encoding, rope_rows,
                 part)
     return out
 
@@ -222,10 +222,10 @@ def _hf_name(name: str) -> str:
 
 
 def _packed(gguf: GgufFile) -> dict[str, Packing]:
-    """The projections (GGUF names) stored in a 4-bit type that the INT4 kernels read as they are (shape
-    permitting), and their packing (models.ggml_types.INT4_KINDS)."""
-    packings = {name: Packing(INT4_KINDS[entry.encoding], INT4_GROUP) for name, entry in gguf.tensors.items()
-                if entry.encoding in INT4_KINDS and _hf_name(name).endswith(PROJECTION)}
+    """The projections (GGUF names) stored in an integer type that the INT4 kernels read as they are (shape
+    permitting), and their packing (models.ggml_types.INT_TYPES)."""
+    packings = {name: Packing(*INT_TYPES[entry.encoding][:3]) for name, entry in gguf.tensors.items()
+                if entry.encoding in INT_TYPES and _hf_name(name).endswith(PROJECTION)}
     return {name: p for name, p in packings.items() if p.problem(gguf.tensors[name].shape) is None}
 
 
@@ -275,8 +275,9 @@ def gguf_config(gguf: GgufFile) -> dict:
         module = lambda name: _hf_name(name).removesuffix(".weight")  # noqa: E731
         others = sorted(module(name) for name in gguf.tensors
                         if name not in packed and _hf_name(name).endswith(PROJECTION))
-        affine = sorted(module(name) for name, packing in packed.items() if packing.affine)
-        config["quantization_config"] = awq_config(INT4_GROUP, tuple(others), tuple(affine))
+        group = INT_TYPES["Q4_0"][1]  # the plain AWQ INT4 packing; the others each name their own
+        own = {module(name): p for name, p in sorted(packed.items()) if p != Packing("awq_int4", group)}
+        config["quantization_config"] = awq_config(group, tuple(others), own)
     return config
 
 

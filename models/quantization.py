@@ -3,9 +3,9 @@
 Quantisation is data, not a model: the builders ask `linear` for a product of a checkpoint module, and the
 params made here say whether that module's weight is a float tensor or packed (ir.packing) over the checkpoint
 tensors that hold it. Supported: AutoAWQ GEMM INT4 (`quant_method` awq, `bits` 4, `version` gemm,
-`zero_point` true), as Qwen publishes its *-Instruct-AWQ checkpoints. A GGUF file's 4-bit projections
-(models.gguf) come as such a config too, with our own key `affine_modules`: the modules whose groups have a float
-offset instead of a zero point (ir.packing affine_int4: Q4_1's and Q4_K's blocks).
+`zero_point` true), as Qwen publishes its *-Instruct-AWQ checkpoints. A GGUF file's packed projections
+(models.gguf) come as such a config too, with our own key `packed_modules`: module -> [kind, group, planes] of
+those packed otherwise (ir.packing: float offsets for Q4_1 and Q4_K, planes for the wider blocks).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Mapping
 import numpy as np
 
 from ir import Packing, Param, TensorType
-from ir.packing import AWQ_ORDER, AWQ_PACK
+from ir.packing import AWQ_ORDER, AWQ_PACK, PACKINGS
 
 from .config import ConfigReader
 
@@ -27,11 +27,11 @@ PROJECTION = "_proj.weight"  # the decoder's linear projections (q/k/v/o, gate/u
 class AwqQuantization:
     """A validated AWQ `quantization_config`: group size (-1: one group per input width), the modules left
     unquantised (a module whose name contains one of them keeps its float weight, as transformers reads it), and
-    the modules packed with float offsets (`affine_modules`, exact names)."""
+    the modules packed otherwise than AWQ INT4 of that group (`packed_modules`, exact names)."""
 
     group_size: int
     modules_to_not_convert: tuple[str, ...] = ()
-    affine_modules: tuple[str, ...] = ()
+    packed_modules: tuple[tuple[str, Packing], ...] = ()
     quant_method: str = "awq"
     bits: int = 4
     version: str = "gemm"
@@ -42,16 +42,17 @@ class AwqQuantization:
         module = weight.removesuffix(".weight")
         if not weight.endswith(PROJECTION) or any(skip in module for skip in self.modules_to_not_convert):
             return None
-        group = in_features if self.group_size == -1 else self.group_size
-        return Packing("affine_int4" if module in self.affine_modules else "awq_int4", group)
+        own = dict(self.packed_modules).get(module)
+        return own or Packing("awq_int4", in_features if self.group_size == -1 else self.group_size)
 
 
-def awq_config(group: int, modules_to_not_convert: tuple[str, ...] = (), affine_modules: tuple[str, ...] = ()) -> dict:
+def awq_config(group: int, modules_to_not_convert: tuple[str, ...] = (),
+               packed_modules: dict[str, Packing] | None = None) -> dict:
     """The quantization_config transformers writes for an AutoAWQ GEMM INT4 checkpoint of this group size (with
-    `affine_modules`, our key for modules with float offsets, if any)."""
+    `packed_modules`, our key for modules packed otherwise, if any)."""
+    own = {module: [p.kind, p.group, p.planes] for module, p in (packed_modules or {}).items()}
     return {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True,
-            "modules_to_not_convert": list(modules_to_not_convert) or None} | (
-        {"affine_modules": list(affine_modules)} if affine_modules else {})
+            "modules_to_not_convert": list(modules_to_not_convert) or None} | ({"packed_modules": own} if own else {})
 
 
 def awq_pack(values: np.ndarray) -> np.ndarray:
@@ -88,10 +89,12 @@ def read_quantization(cfg: ConfigReader) -> AwqQuantization | None:
     skip = q.get("modules_to_not_convert", [])
     if not isinstance(skip, list) or not all(isinstance(m, str) and m for m in skip):
         raise q.error("modules_to_not_convert", f"must be a list of module names, got {skip!r}")
-    affine = q.get("affine_modules", [])
-    if not isinstance(affine, list) or not all(isinstance(m, str) and m for m in affine):
-        raise q.error("affine_modules", f"must be a list of module names, got {affine!r}")
-    return AwqQuantization(group, tuple(skip), tuple(affine))
+    own = q.get("packed_modules", {})
+    if not isinstance(own, dict) or not all(isinstance(v, list) and len(v) == 3 and v[0] in PACKINGS
+                                            and all(isinstance(n, int) and n > 0 for n in v[1:]) for v in own.values()):
+        raise q.error("packed_modules", f"must map module names to [kind, group, planes] (kinds: "
+                                        f"{', '.join(PACKINGS)}), got {own!r}")
+    return AwqQuantization(group, tuple(skip), tuple((m, Packing(*v)) for m, v in own.items()))
 
 
 def check_groups(quant: AwqQuantization | None, shapes: Mapping[str, tuple[int, ...]], cfg: ConfigReader) -> None:

@@ -158,8 +158,9 @@ def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     x_buf, q_buf, z_buf, s_buf = func.params[:4]
     m, k = (int(d) for d in x_buf.shape)
     tiles, pairs, words = (int(d) for d in q_buf.shape)
-    groups = int(s_buf.shape[1])
-    group = k // groups
+    groups = int(s_buf.shape[1])  # packed groups: planes (ir.packing) of each group of x
+    group = 2 * pairs // groups
+    planes = 2 * pairs // k
     if words != TILE or m % BLOCK or group % DEPTH or x_buf.dtype != "float32":
         return None
     steps, columns = group // DEPTH, PAIR_SLOTS * words  # depth steps a group; columns a task
@@ -167,10 +168,10 @@ def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     @T.macro
     def products(x, qw, qz, sc, ys, first):
         xa = T.alloc_buffer((m, k), "uint16")  # x as bfloat16 bits, row-major: the A tiles
-        xsum = T.alloc_buffer((m, groups), "float32")  # sum of the rounded x over each group
+        xsum = T.alloc_buffer((m, groups // planes), "float32")  # sum of the rounded x over each group
         for r in T.parallel(m):
             part = T.alloc_buffer((TILE,), "float32")
-            for g in range(groups):
+            for g in range(groups // planes):
                 for lane in T.vectorized(TILE):
                     part[lane] = T.float32(0)
                 for d in range(group // TILE):
@@ -184,13 +185,13 @@ def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
         for task in T.parallel(tiles):
             cfg = T.alloc_buffer((64,), "uint8")  # on the stack
             table = T.alloc_buffer((2 * TILE,), "uint16")
-            bt = T.alloc_buffer((k // DEPTH, PAIR_SLOTS, TILE, TILE), "uint32")  # B tiles: [step, nibble, pair, col]
+            bt = T.alloc_buffer((2 * pairs // DEPTH, PAIR_SLOTS, TILE, TILE), "uint32")  # B: [step, nibble, pair, col]
             acc = T.alloc_buffer((2, 2, TILE, TILE), "float32", scope="local")
             yacc = T.alloc_buffer((m, columns), "float32")
             tile_config(cfg)
             for i in range(2 * TILE):
                 table[i] = bf16_bits(T.Cast("float32", i))  # exact: the bfloat16 of each 4-bit value
-            for d, i in T.grid(k // DEPTH, TILE):
+            for d, i in T.grid(2 * pairs // DEPTH, TILE):
                 for n in T.unroll(PAIR_SLOTS):
                     bt[d, n, i, T.ramp(0, 1, TILE)] = T.reinterpret(f"uint32x{TILE}", T.call_llvm_pure_intrin(
                         f"uint16x{2 * TILE}", "llvm.x86.avx512.permvar.hi.512", table[T.ramp(0, 1, 2 * TILE)],
@@ -203,8 +204,8 @@ def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
             for half, rows, g in T.grid(PAIR_SLOTS // 2, m // BLOCK, groups):
                 zero_accumulators()
                 for s in range(steps):  # A: two tiles of x rows; B: two nibbles' columns
-                    two_by_two(T.address_of(xa[rows * BLOCK, (g * steps + s) * DEPTH]),
-                               T.address_of(xa[rows * BLOCK + TILE, (g * steps + s) * DEPTH]), k * 2,
+                    two_by_two(T.address_of(xa[rows * BLOCK, (g // planes * steps + s) * DEPTH]),
+                               T.address_of(xa[rows * BLOCK + TILE, (g // planes * steps + s) * DEPTH]), k * 2,
                                T.address_of(bt[g * steps + s, 2 * half, 0, 0]),
                                T.address_of(bt[g * steps + s, 2 * half + 1, 0, 0]), 64)
                 store(4, T.address_of(acc[0, 0, 0, 0]), 64)
@@ -216,7 +217,7 @@ def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
                         yacc[rows * BLOCK + xt * TILE + r, (2 * half + nt) * TILE + c] = yacc[
                             rows * BLOCK + xt * TILE + r, (2 * half + nt) * TILE + c] + group_product(
                             qz, sc, task, g, 2 * half + nt, c, words, acc[xt, nt, r, c],
-                            xsum[rows * BLOCK + xt * TILE + r, g])
+                            xsum[rows * BLOCK + xt * TILE + r, g // planes])
             for r, n, c in T.grid(m, PAIR_SLOTS, TILE):
                 ys[r, pair_column(task, n, c, words)] = first(pair_column(task, n, c, words)) + yacc[r, n * TILE + c]
             T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))

@@ -22,7 +22,7 @@ and masked. A task owns a column tile, or two where the registers hold both tile
 even number (one row: two contiguous streams of words a core, 1.04x faster from memory than one), and streams its
 words, `tile` words a row pair; the accumulators (tiles x terms x rows x the four column vectors of a word x
 vectors) are at most half the SIMD registers, and the rows loop in passes, so the same kernel serves any number
-of rows.
+of rows. A weight of planes (ir.packing) streams all its packed rows, each block of them times its block of x.
 """
 
 from __future__ import annotations
@@ -147,7 +147,9 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
     m, k = (int(d) for d in x_buf.shape)
     tiles, pairs, words = (int(d) for d in q_buf.shape)
     groups = int(s_buf.shape[1])  # scales [tiles, groups, 4 tile]
-    group, block = k // groups, x_block(k // groups)
+    depth = 2 * pairs  # packed rows: a weight of planes (ir.packing) has more than x has columns
+    group, block = depth // groups, x_block(depth // groups)
+    group_blocks, planes = group // block, depth // k
     if words % lanes or lanes not in (8, 16):
         return None
     vecs = words // lanes
@@ -158,6 +160,10 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
     block_pairs = block // 2
     activations = _integer_activations(block, lanes)
 
+    def x_block_of(b):
+        """The block of x that packed block b multiplies (ir.packing.logical_row)."""
+        return b // (planes * group_blocks) * group_blocks + b % group_blocks
+
     def block_sum(sum1, sum2, d, xs_sum, qz, sc, task, g, n, word):
         """A block's sum of x * W for the column of `word` in nibble n (written.group_product), from its integer
         sums of x1 * q and x2 * q (nibble IN_PLACE's 16 times too large) and x's scale and sum over the block
@@ -167,7 +173,7 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
         return group_product(qz, sc, task, g, n, word, words, sum_xq, xs_sum)
 
     @T.macro
-    def dots(acc, xw, term, w, task, rt, vt, pair):
+    def dots(acc, xw, term, w, task, rt, vt, pair, x_pair):
         for u in T.unroll(streams):
             for v in T.unroll(tile_vecs):
                 for n in T.unroll(PAIR_SLOTS):
@@ -175,7 +181,7 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
                         acc[u, r, n, v, T.ramp(0, 1, lanes)] = T.call_extern(
                             f"int32x{lanes}", DOT, acc[u, r, n, v, T.ramp(0, 1, lanes)], _pair_values(
                                 w[task * streams + u, pair, T.ramp((vt * tile_vecs + v) * lanes, 1, lanes)], n, lanes),
-                            T.broadcast(xw[rt * rows + r, term, pair], lanes))
+                            T.broadcast(xw[rt * rows + r, term, x_pair], lanes))
 
     @T.macro
     def products(xs, qw, qz, sc, ys, first):
@@ -193,7 +199,7 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
                 acc2 = T.alloc_buffer((streams, rows, PAIR_SLOTS, tile_vecs, lanes), "int32")
                 for u, r, n, v, lane in T.grid(streams, m, PAIR_SLOTS, vecs, lanes):
                     sums[u, r, n, v, lane] = T.float32(0)
-                for b, vt, rt in T.grid(k // block, vecs // tile_vecs, m // rows):
+                for b, vt, rt in T.grid(depth // block, vecs // tile_vecs, m // rows):
                     for u, r, n, v in T.grid(streams, rows, PAIR_SLOTS, tile_vecs):
                         for lane in T.vectorized(lanes):
                             acc1[u, r, n, v, lane] = 0
@@ -204,14 +210,14 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
                                 T.evaluate(prefetch(flat[T.min(
                                     ((task * streams + u) * pairs + b * block_pairs + p + PREFETCH_PAIRS) * words,
                                     tiles * pairs * words - 1)]))
-                        dots(acc1, xw, 0, qw, task, rt, vt, b * block_pairs + p)
-                        dots(acc2, xw, 1, qw, task, rt, vt, b * block_pairs + p)
+                        dots(acc1, xw, 0, qw, task, rt, vt, b * block_pairs + p, x_block_of(b) * block_pairs + p)
+                        dots(acc2, xw, 1, qw, task, rt, vt, b * block_pairs + p, x_block_of(b) * block_pairs + p)
                     for u, r, n, v in T.grid(streams, rows, PAIR_SLOTS, tile_vecs):
                         for lane in T.vectorized(lanes):
                             sums[u, rt * rows + r, n, vt * tile_vecs + v, lane] = sums[
                                 u, rt * rows + r, n, vt * tile_vecs + v, lane] + block_sum(
-                                acc1[u, r, n, v, lane], acc2[u, r, n, v, lane], scale[rt * rows + r, b],
-                                xsum[rt * rows + r, b], qz, sc, task * streams + u, b * block // group, n,
+                                acc1[u, r, n, v, lane], acc2[u, r, n, v, lane], scale[rt * rows + r, x_block_of(b)],
+                                xsum[rt * rows + r, x_block_of(b)], qz, sc, task * streams + u, b * block // group, n,
                                 (vt * tile_vecs + v) * lanes + lane)
                 for u, r, n, v, lane in T.grid(streams, m, PAIR_SLOTS, vecs, lanes):
                     ys[r, pair_column(task * streams + u, n, v * lanes + lane, words)] = first(pair_column(

@@ -124,9 +124,9 @@ def packed_weight(func: tirx.PrimFunc) -> bool:
 
 
 def paired_weight(func: tirx.PrimFunc) -> bool:
-    """Whether a packed `linear` kernel's qweight is in the pairs layout (ir.packing awq_int4_pairs): a row of words
-    per pair of input rows."""
-    return 2 * int(func.params[1].shape[1]) == int(func.params[0].shape[1])
+    """Whether a packed `linear` kernel's weight is in the pairs layout (ir.packing awq_int4_pairs, affine_int4_pairs):
+    its zero points or offsets laid out per column tile (3-D), where the GPU layout has them [groups, columns]."""
+    return len(func.params[2].shape) == 3
 
 
 SQUARE = 16  # rows and columns of a block that `transpose` turns: one AVX-512 vector per row

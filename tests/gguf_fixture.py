@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from models.ggml_types import BLOCK_TYPES
+from models.ggml_types import BLOCK_TYPES, INT_TYPES
 from models.quantization import PROJECTION
 
 LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -96,7 +96,7 @@ def write_gguf(model_dir: Path, out_dir: Path, qtype: str = "F16", *, rope_freqs
     return path
 
 
-PACKED = ("Q4_0", "Q4_1", "Q4_K")  # block types whose projections stay packed (models.gguf), their values exact
+PACKED = tuple(INT_TYPES)  # block types whose projections stay packed (models.gguf), their values exact
 BLOCKS = {name for name, _, _ in BLOCK_TYPES.values()}
 SCALE_BYTES = {"Q4_0": (0,), "Q5_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2),
                "Q5_K": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q6_K": (208,)}  # where a block's float16s lie

@@ -258,6 +258,13 @@ def affine_dequantise(qweight, offsets, scales) -> np.ndarray:
     return np.ascontiguousarray((unpack(qweight, scales.shape[1]) * per_row(scales) + per_row(offsets)).T)
 
 
+def planes_summed(weight: np.ndarray, group: int, planes: int) -> np.ndarray:
+    """The logical [out, in] matrix of a packed one of `planes` planes ([out, planes * in], ir.packing: packed group
+    g * planes + p holds plane p of group g)."""
+    out, rows = weight.shape
+    return weight.reshape(out, rows // (planes * group), planes, group).sum(axis=2).reshape(out, rows // planes)
+
+
 def dequantise(qweight, qzeros, scales) -> np.ndarray:
     """The float32 [out, in] matrix of one AWQ module."""
     columns = scales.shape[1]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tvm
 from bf16_cases import assert_bf16_prefill_tracks, assert_chunk_rounded_and_rows_float32, chunk_after_history
-from numpy_reference import affine_dequantise, dequantise
+from numpy_reference import affine_dequantise, dequantise, planes_summed
 
 from compiler.build import build
 from compiler.kernels import make_kernel
@@ -90,12 +90,13 @@ def test_activations_round_to_nearest_bfloat16_ties_to_even():
 @pytest.mark.parametrize("rows,depth,cols,group", [(32, 64, 64, 32), (64, 256, 192, 64), (128, 512, 128, 128),
                                                   (32, 128, 64, 128)])
 @pytest.mark.parametrize("bias", [None, "float16"])
-@pytest.mark.parametrize("kind", ["awq_int4_pairs", "affine_int4_pairs"])
-def test_amx_awq_products_are_exact_in_the_weights(rows, depth, cols, group, bias, kind):
+@pytest.mark.parametrize("kind,planes", [("awq_int4_pairs", 1), ("affine_int4_pairs", 1), ("awq_int4_pairs", 2)])
+def test_amx_awq_products_are_exact_in_the_weights(rows, depth, cols, group, bias, kind, planes):
     """AWQ prefill on AMX tiles: the 4-bit values enter as their exact bfloat16, zero points (or an affine kind's
-    offsets) and scales are applied per group in float32, so only the activations are rounded."""
-    packing = Packing(kind, group)
-    weight = (RNG.standard_normal((cols, depth)) / 16).astype(np.float32)
+    offsets) and scales are applied per group in float32, so only the activations are rounded; a weight of planes
+    sums each group's planes."""
+    packing = Packing(kind, group, planes)
+    weight = (RNG.standard_normal((cols, planes * depth)) / 16).astype(np.float32)
     qweight, qzeros, scales = awq_quantize(weight, group)
     stored = [qweight, (RNG.standard_normal(scales.shape) / 8).astype(np.float16) if packing.affine else qzeros, scales]
     x = RNG.standard_normal((rows, depth)).astype(np.float32)
@@ -109,7 +110,7 @@ def test_amx_awq_products_are_exact_in_the_weights(rows, depth, cols, group, bia
     out = tvm.runtime.empty((rows, cols), "float32", tvm.cpu())
     parts = TRANSFORMS[packing.transform](stored)
     lib["main"](*[tvm.runtime.tensor(a) for a in [x, *parts] + ([b] if bias else [])], out)
-    weight = (affine_dequantise if packing.affine else dequantise)(*stored)
+    weight = planes_summed((affine_dequantise if packing.affine else dequantise)(*stored), group, planes)
     want = x.astype(ml_dtypes.bfloat16).astype(np.float64) @ weight.T.astype(np.float64)
     want += b.astype(np.float64) if bias else 0
     assert "tdpbf16ps" in lib.mod.inspect_source("asm")

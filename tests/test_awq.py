@@ -13,7 +13,7 @@ import shutil
 import numpy as np
 import pytest
 import tvm
-from numpy_reference import affine_dequantise, dequantise, unpack
+from numpy_reference import affine_dequantise, dequantise, planes_summed, unpack
 from safetensors.numpy import load_file, save_file
 
 import models
@@ -30,7 +30,7 @@ from runtime import (CompiledModel, GreedyGenerationConfig, load_huggingface_awq
                      load_huggingface_llama_pipeline, load_huggingface_qwen2_pipeline, load_pipeline)
 from runtime.weights import TRANSFORMS, pair_scales, pair_words
 from schedules.cpu import schedule
-from schedules.cpu_awq import awq_linear
+
 
 def dequantised_checkpoint(awq_dir, out_dir):
     """A float32 copy of an AWQ checkpoint (no quantization_config), for transformers to read as a plain model."""
@@ -141,8 +141,10 @@ def test_packed_types_are_checked_by_the_verifier():
         infer_types("rms_norm", [x, TensorType((64,), "float16", Packing("awq_int4", 32))], {"eps": 1e-6})
 
 
-LAYOUTS = {"cpu": ("awq_int4_pairs", None), "cpu-avx2": ("awq_int4_pairs", "x86-64-v3"), "gpu": ("awq_int4", None),
-           "cpu-affine": ("affine_int4_pairs", None), "gpu-affine": ("affine_int4", None)}
+LAYOUTS = {"cpu": ("awq_int4_pairs", None, 1), "cpu-avx2": ("awq_int4_pairs", "x86-64-v3", 1),
+           "gpu": ("awq_int4", None, 1), "cpu-affine": ("affine_int4_pairs", None, 1), "gpu-affine": ("affine_int4", None, 1),
+           "cpu-planes": ("awq_int4_pairs", None, 2), "cpu-affine-planes": ("affine_int4_pairs", None, 2),
+           "gpu-planes": ("awq_int4", None, 2)}
 
 
 def _activations(rng, rows, inp):
@@ -161,12 +163,13 @@ def _activations(rng, rows, inp):
 def test_packed_linear_kernel_matches_numpy(rows, bias, out, layout):
     """Each layout's kernel (the GPU's: its definition, run here) against the independent dequantiser; rows of 16 or
     fewer, and rows no multiple of the SIMD width, take the integer dot products on a CPU. Affine kinds take float
-    offsets in place of the zero points."""
-    kind, mcpu = LAYOUTS[layout]
-    packing = Packing(kind, 64)
+    offsets in place of the zero points; a weight of planes, the sum of each group's planes."""
+    kind, mcpu, planes = LAYOUTS[layout]
+    packing = Packing(kind, 64, planes)
     rng = np.random.default_rng(rows)
     inp = 256
-    qweight, qzeros, scales = awq_quantize(rng.standard_normal((out, inp)).astype(np.float32) / 16, packing.group)
+    qweight, qzeros, scales = awq_quantize(rng.standard_normal((out, planes * inp)).astype(np.float32) / 16,
+                                           packing.group)
     offsets = (rng.standard_normal(scales.shape) / 8).astype(np.float16)
     x = _activations(rng, rows, inp)
     b = rng.standard_normal(out).astype(np.float16)
@@ -174,14 +177,15 @@ def test_packed_linear_kernel_matches_numpy(rows, bias, out, layout):
     types += [TensorType((out,), "float16")] if bias else []
     target = cpu_target(mcpu) if mcpu else cpu_target()
     func = make_kernel("linear", types, {}).func
-    if packing.paired and out % (4 * target.lanes) == 0 and (rows <= 16 or rows % target.lanes):
-        assert awq_linear(func, target.lanes) is not None  # the integer dot products are the kernel here
     lib = tvm.compile(schedule(func, "linear", {}, target), target.tvm_target())
+    if packing.paired and out % (4 * target.lanes) == 0 and (rows <= 16 or rows % target.lanes):
+        asm = lib.mod.inspect_source("s")  # the integer pair dot products are the kernel here
+        assert "vpdpwssd" in asm or "vpmaddwd" in asm
     y = tvm.runtime.empty((rows, out), "float32")
     stored = [qweight, offsets if packing.affine else qzeros, scales]
     parts = TRANSFORMS[packing.transform](stored)
     lib["main"](*[tvm.runtime.tensor(a) for a in (x, *parts) + ((b,) if bias else ())], y)
-    weight = (affine_dequantise if packing.affine else dequantise)(*stored)
+    weight = planes_summed((affine_dequantise if packing.affine else dequantise)(*stored), packing.group, planes)
     want = x.astype(np.float64) @ weight.T.astype(np.float64) + (b.astype(np.float64) if bias else 0)
     np.testing.assert_allclose(y.numpy(), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 

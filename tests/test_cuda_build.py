@@ -170,11 +170,11 @@ def _t(shape, dtype="float32"):
     return TensorType(tuple(shape), dtype)
 
 
-def _packed_linear(rows, group, bias, out=128, depth=256, kind="awq_int4"):
-    """Types of a `linear` of `rows` rows by a packed INT4 weight [out, depth] (AWQ's, or `kind`; float16 scales),
-    with or without bias."""
+def _packed_linear(rows, group, bias, out=128, depth=256, kind="awq_int4", planes=1):
+    """Types of a `linear` of `rows` rows by a packed INT4 weight [out, depth] (AWQ's, or `kind`, of `planes`;
+    float16 scales), with or without bias."""
     from ir import Packing, TensorType
-    weight = TensorType((out, depth), "float16", Packing(kind, group))
+    weight = TensorType((out, depth), "float16", Packing(kind, group, planes))
     return [_t((rows, depth)), weight] + ([_t((out,), "float16")] if bias else [])
 
 
@@ -213,6 +213,7 @@ GPU_CASES = [(kind, *OP_SAMPLES[kind]) for kind in sorted(OP_SAMPLES)] + [  # an
      DELTA)] + [  # and packed weights: decode GEMVs, prefill GEMMs; groups of 32 rows or one of the whole depth
     ("linear", _packed_linear(rows, group, bias), {}) for rows in (1, 8, 64) for group in (32, 256) for bias in (0, 1)] + [
     ("linear", _packed_linear(rows, 32, True, kind="affine_int4"), {}) for rows in (1, 64)] + [  # float offsets
+    ("linear", _packed_linear(rows, 16, False, planes=2), {}) for rows in (1, 64)] + [  # two planes
     ("gelu", [_t((4, 64))], {"approximate": "none"}),  # erf, and multimodal rotary positions
     ("rope", [_t((4, 64)), _t((4, 3), "int32")], {"head_dim": 16, "inv_freq": [1.0, 0.1, 0.01], "pos_axes": [0, 1, 2]})]
 
@@ -316,7 +317,7 @@ def _run_on_cpu(kernel, args) -> list:
 @pytest.mark.parametrize("rows,group,bias,kind", [
     (1, 32, True, "awq_int4"), (8, 256, False, "awq_int4"), (3, 64, False, "awq_int4"), (20, 32, True, "awq_int4"),
     (64, 32, True, "awq_int4"), (64, 256, False, "awq_int4"), (1, 32, True, "affine_int4"),
-    (64, 32, False, "affine_int4")])
+    (64, 32, False, "affine_int4"), (1, 16, False, "awq_int4x2"), (64, 32, True, "affine_int4x2")])
 def test_packed_linear_schedules_keep_the_kernel_semantics(rows, group, bias, kind, monkeypatch):
     """The GPU schedules of a packed linear only rearrange its work: replayed serially on the CPU, they compute
     what the unscheduled kernel computes, on random packed words."""
@@ -324,7 +325,8 @@ def test_packed_linear_schedules_keep_the_kernel_semantics(rows, group, bias, ki
 
     from compiler.kernels import make_kernel
 
-    func = make_kernel("linear", _packed_linear(rows, group, bias, kind=kind), {}).func
+    kind, _, planes = kind.partition("x")  # "x2": two planes
+    func = make_kernel("linear", _packed_linear(rows, group, bias, kind=kind, planes=int(planes or 1)), {}).func
     scheduled = _serial_gpu_schedule(func, "linear", {}, monkeypatch)
     rng = np.random.default_rng(rows)
     shapes = [(tuple(int(d) for d in p.shape), str(p.dtype)) for p in func.params]

@@ -12,14 +12,15 @@ import gguf
 import numpy as np
 import pytest
 from gguf_fixture import PACKED, permute_for_llama_cpp, random_blocks, write_gguf
-from numpy_reference import affine_dequantise
+from numpy_reference import affine_dequantise, planes_summed
 from numpy_reference import dequantise as awq_dequantise
 
 import models
+from ir import Packing
 from compiler.build import build
 from models.checkpoint import CheckpointError, read_tensor, scan_checkpoint
 from models.config import ModelConfigError
-from models.ggml_types import BLOCK_TYPES, dequantise, rope_rows_in_order
+from models.ggml_types import BLOCK_TYPES, INT_TYPES, dequantise, rope_rows_in_order
 from models.gguf import GgufFile
 from models.tiny import write_tiny_checkpoint
 from runtime import CompiledModel, GreedyGenerationConfig, load_pipeline
@@ -105,23 +106,25 @@ def test_gguf_weights_are_decoded_or_packed_and_reordered_at_load(case):
 
 
 def _stored_values(entries, name: str) -> np.ndarray:
-    """The float32 values of weight `name`: its entry's, or those its INT4 parts hold."""
+    """The float32 values of weight `name`: its entry's, or those its INT4 parts hold (their planes summed)."""
     module = name.removesuffix(".weight")
-    affine = f"{module}.offsets" in entries
-    parts = [entries[name]] if name in entries else [
-        entries[f"{module}.{part}"] for part in ("qweight", "offsets" if affine else "qzeros", "scales")]
-    with open(parts[0].file, "rb") as f:
+    if name in entries:
+        with open(entries[name].file, "rb") as f:
+            return np.asarray(read_tensor(entries[name], f.read()), np.float32)
+    qweight = entries[f"{module}.qweight"]
+    kind, group, planes, _ = INT_TYPES[qweight.encoding]
+    affine = kind.startswith("affine")
+    parts = [entries[f"{module}.{part}"] for part in ("qweight", "offsets" if affine else "qzeros", "scales")]
+    with open(qweight.file, "rb") as f:
         data = f.read()
     arrays = [read_tensor(entry, data) for entry in parts]
-    if len(arrays) == 1:
-        return np.asarray(arrays[0], np.float32)
-    return (affine_dequantise if affine else awq_dequantise)(*arrays)
+    return planes_summed((affine_dequantise if affine else awq_dequantise)(*arrays), group, planes)
 
 
-def test_4_bit_projections_run_packed_in_the_int4_kernels(case):
-    """A file with Q4_0, Q4_1 or Q4_K projections is an INT4 model of group 32: its projections are packed params
-    (AWQ's zero points for Q4_0, float offsets for the others), everything else the file's values; other types
-    hold every weight as values."""
+def test_integer_projections_run_packed_in_the_int4_kernels(case):
+    """A file with projections of an integer block type is an INT4 model: its projections are packed params (AWQ's
+    zero points, or float offsets; two planes for 5-, 6- and 8-bit values), everything else the file's values;
+    other types hold every weight as values."""
     ours, _, qtype, _ = case
     packings = {p.name: p.packing for p in ours.manifest.params}
     words = sum(str(a.dtype) == "int32" for a in ours._params)  # what the runtime holds: packed words and zeros
@@ -129,10 +132,11 @@ def test_4_bit_projections_run_packed_in_the_int4_kernels(case):
         assert ours.manifest.quantization is None and not any(packings.values()) and words == 0
         return
     projections = [name for name in packings if name.endswith("_proj.weight")]
-    kind = "awq_int4_pairs" if qtype == "Q4_0" else "affine_int4_pairs"
-    assert projections and all(packings[name] == f"{kind}(g32)" for name in projections)
-    assert ours.manifest.quantization.group_size == 32 and ours.manifest.quantization.packed_params == len(projections)
-    assert words == (2 if qtype == "Q4_0" else 1) * len(projections) and not packings["model.embed_tokens.weight"]
+    kind, group, planes, _ = INT_TYPES[qtype]
+    assert projections and all(packings[name] == str(Packing(f"{kind}_pairs", group, planes)) for name in projections)
+    assert ours.manifest.quantization.packed_params == len(projections)
+    assert words == (1 if kind.startswith("affine") else 2) * len(projections)
+    assert not packings["model.embed_tokens.weight"]
 
 
 def test_gguf_tokenizer_and_chat_template_are_the_checkpoints(case):
@@ -151,40 +155,43 @@ def test_gguf_tokenizer_and_chat_template_are_the_checkpoints(case):
     assert pipeline.default_eos_token_ids == [eos[0] if isinstance(eos, list) else eos]
 
 
-def test_a_file_of_mixed_types_packs_each_4_bit_projection_its_way(tmp_path):
-    """In a Q4_0 file with projections of other types (llama.cpp's mixes), Q4_1 ones are the quantization_config's
-    affine_modules (float offsets), Q8_0 and F16 ones its modules_to_not_convert (their values); the model still runs
-    as transformers runs the stored values."""
+def test_a_file_of_mixed_types_packs_each_projection_its_way(tmp_path):
+    """In a Q4_0 file with projections of other types (llama.cpp's mixes), the quantization_config's packed_modules
+    name each one packed otherwise than Q4_0 (Q4_1's float offsets, Q8_0's two planes), its modules_to_not_convert
+    those it cannot pack (F16); the model still runs as transformers runs the stored values."""
     model_dir = write_tiny_checkpoint(tmp_path / "hf", arch="qwen2", seed=13)
     path = write_gguf(model_dir, tmp_path / "gguf", "Q4_0", reference=tmp_path / "reference",
                       types={"mlp.down_proj.weight": "Q8_0", "layers.1.self_attn.o_proj.weight": "F16",
                              "mlp.gate_proj.weight": "Q4_1"})
     config = models.load_config(path.parent)
     layers = range(config.num_hidden_layers)
-    assert set(config.quantization.modules_to_not_convert) == {f"model.layers.{i}.mlp.down_proj" for i in layers} | {
-        "model.layers.1.self_attn.o_proj"}
-    assert set(config.quantization.affine_modules) == {f"model.layers.{i}.mlp.gate_proj" for i in layers}
+    assert config.quantization.modules_to_not_convert == ("model.layers.1.self_attn.o_proj",)
+    assert dict(config.quantization.packed_modules) == {
+        f"model.layers.{i}.mlp.{name}": packing for i in layers
+        for name, packing in (("gate_proj", Packing("affine_int4", 32)), ("down_proj", Packing("awq_int4", 32, 2)))}
     artifact = build(path.parent, out=tmp_path / "artifact", prefill_buckets=(8,), max_context=64, quiet=True).path
     ours = CompiledModel(path.parent, artifact)
     packings = {p.name: p.packing for p in ours.manifest.params}
-    assert not packings["model.layers.0.mlp.down_proj.weight"] and not packings["model.layers.1.self_attn.o_proj.weight"]
+    assert not packings["model.layers.1.self_attn.o_proj.weight"]
     assert packings["model.layers.0.self_attn.o_proj.weight"] == packings["model.layers.1.mlp.up_proj.weight"] \
         == "awq_int4_pairs(g32)"
     assert packings["model.layers.1.mlp.gate_proj.weight"] == "affine_int4_pairs(g32)"
+    assert packings["model.layers.0.mlp.down_proj.weight"] == "awq_int4_pairs(g32,x2)"
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "reference", dtype=torch.float32).eval()
     assert_steps_match(ours, hf, [5, 17, 2, 9, 40], 6)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("ptxas") is None, reason="no CUDA toolkit installed")
 def test_a_4_bit_gguf_model_builds_for_cuda(tmp_path):
-    """Q4_0's zero points and Q4_1's offsets as the GPU kernels read them (awq_int4, affine_int4: column tiles):
-    the model builds for CUDA and ptxas accepts every kernel."""
+    """Q4_0's zero points, Q4_1's offsets and Q8_0's planes as the GPU kernels read them (column tiles): the model
+    builds for CUDA and ptxas accepts every kernel."""
     model_dir = write_tiny_checkpoint(tmp_path / "hf", arch="qwen2", seed=14)
-    path = write_gguf(model_dir, tmp_path / "gguf", "Q4_0", types={"mlp.up_proj.weight": "Q4_1"})
+    path = write_gguf(model_dir, tmp_path / "gguf", "Q4_0", types={"mlp.up_proj.weight": "Q4_1",
+                                                                  "mlp.down_proj.weight": "Q8_0"})
     out = build(path.parent, target="cuda", out=tmp_path / "artifact", prefill_buckets=(16,), max_context=64,
                 quiet=True).path
     packings = {p["packing"] for p in json.loads((out / "manifest.json").read_text())["params"]}
-    assert {"awq_int4(g32)", "affine_int4(g32)"} <= packings
+    assert {"awq_int4(g32)", "affine_int4(g32)", "awq_int4(g32,x2)"} <= packings
     assembled = subprocess.run(["ptxas", "-arch=sm_90", str(out / "kernels.ptx"), "-o", "/dev/null"],
                                capture_output=True, text=True)
     assert assembled.returncode == 0, assembled.stderr
