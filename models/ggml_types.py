@@ -10,7 +10,7 @@ W = u * s + m (Q4_1, Q5_1, Q4_K, Q5_K), per group of 32 (Q6_K: 16). Those are ir
 exactly, a value of 5, 6 or 8 bits as two 4-bit planes, u = 16 h + l. Their bits are repacked into the words the INT4
 kernels read and their scales (and offsets) laid out per group: float16s as they are, the K-quants' products as
 float32 (exact, as llama.cpp computes them). Bits a weight a decode step reads, ours (llama.cpp's): Q4_0 4.6 (4.5),
-Q4_1 5 (5), Q4_K 6 (4.5), Q5_0 9.3 (5.5), Q5_1 10 (6), Q5_K 10 (5.5), Q6_K 12.3 (6.6), Q8_0 9.3 (8.5); 16 decoded.
+Q4_1 5 (5), Q4_K 6 (4.5), Q5_0 9.3 (5.5), Q5_1 10 (6), Q5_K 12 (5.5), Q6_K 12.5 (6.6), Q8_0 9.3 (8.5); 16 decoded.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from ir import Packing
 from compiler.build import build
 from models.checkpoint import CheckpointError, read_tensor, scan_checkpoint
 from models.config import ModelConfigError
-from models.ggml_types import BLOCK_TYPES, INT_TYPES, dequantise, rope_rows_in_order
+from models.ggml_types import BLOCK_TYPES, INT_TYPES, dequantise, int4_part, rope_rows_in_order
 from models.gguf import GgufFile
 from models.tiny import write_tiny_checkpoint
 from runtime import CompiledModel, GreedyGenerationConfig, load_pipeline
@@ -225,6 +225,21 @@ def test_block_dequantisation_matches_gguf_py(qtype):
     got = dequantise(qtype, blocks.reshape(-1), (6, 4 * gguf.GGML_QUANT_SIZES[kind][0]))
     assert np.isfinite(got).all() and np.abs(got).max() > 0
     np.testing.assert_array_equal(got, gguf.quants.dequantize(blocks, kind).astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", sorted(INT_TYPES))
+def test_integer_blocks_pack_into_int4_parts_that_hold_their_values(qtype):
+    """Each integer type's INT4 parts (planes summed) hold what llama.cpp decodes, which the test above holds to
+    gguf-py: exactly, the K-quants with offsets to float32's rounding (another order of the same products)."""
+    kind, group, planes, _ = INT_TYPES[qtype]
+    out, inp = 16, 512
+    blocks = random_blocks(out, inp, qtype, np.random.default_rng(1)).reshape(-1)
+    packing = Packing(kind, group, planes)
+    parts = [int4_part(qtype, blocks, shape, name) for name, (shape, _) in zip(
+        packing.part_names, packing.checkpoint_parts((out, inp), "float32"))]
+    got = planes_summed((affine_dequantise if packing.affine else awq_dequantise)(*parts), group, planes)
+    want = dequantise(qtype, blocks, (out, inp))
+    np.testing.assert_allclose(got, want, rtol=0, atol=np.abs(want).max() * 2.0 ** -23 if packing.affine else 0)
 
 
 def test_every_end_of_generation_token_stops_generation(tmp_path):
