@@ -32,7 +32,7 @@ from math import gcd
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ir.packing import PAIR_SLOTS, pair_column
+from ir.packing import PAIR_SLOTS, logical_row, pair_column
 
 from .written import group_product, packed_linear_func, prefetch
 
@@ -149,7 +149,7 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
     groups = int(s_buf.shape[1])  # scales [tiles, groups, 4 tile]
     depth = 2 * pairs  # packed rows: a weight of planes (ir.packing) has more than x has columns
     group, block = depth // groups, x_block(depth // groups)
-    group_blocks, planes = group // block, depth // k
+    planes = depth // k
     if words % lanes or lanes not in (8, 16):
         return None
     vecs = words // lanes
@@ -161,8 +161,8 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
     activations = _integer_activations(block, lanes)
 
     def x_block_of(b):
-        """The block of x that packed block b multiplies (ir.packing.logical_row)."""
-        return b // (planes * group_blocks) * group_blocks + b % group_blocks
+        """The block of x that packed block b multiplies."""
+        return logical_row(b * block, group, planes) // block
 
     def block_sum(sum1, sum2, d, xs_sum, qz, sc, task, g, n, word):
         """A block's sum of x * W for the column of `word` in nibble n (written.group_product), from its integer
