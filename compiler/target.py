@@ -28,6 +28,10 @@ BF16_PATH_NAMES = {"amx": "AMX tiles", "avx512bf16": "AVX512-BF16 dot products"}
 # a dot product of pairs does two FMAs' work: prompt chunks' attention runs its products on it there. An Intel Xeon
 # with AMX issues it at a quarter of its FMA rate (docs/performance.md): there float32 attention is faster.
 EQUAL_RATE_BF16_DOT_CPUS = ("znver",)
+# CPUs whose hardware prefetchers alone keep a one-row decode product at the memory's rate while its x row and a
+# weight row fit in L1 together: on AMD Zen 4 software prefetches into L2 cost such products 1.1-1.5x, and gained
+# only where the two did not fit (K = 5632); an Intel Xeon and Zen 5 run faster with them (docs/performance.md).
+HARDWARE_PREFETCH_CPUS = ("znver4",)
 # Qwen3.5-0.8B decode, Intel Xeon with AMX, alternating: the delta rule's time in a step 2.0-2.1 ms with one vector
 # (a state row read as one 64-byte line in eight), 1.5 with four, 1.7-2.2 with eight; prefill 1.04-1.07x faster
 SCAN_VECTORS = 4
@@ -56,6 +60,11 @@ class CpuTarget:
         if self.bf16_products == "avx512bf16" and not self.mcpu.startswith(EQUAL_RATE_BF16_DOT_CPUS):
             return None
         return self.bf16_products
+
+    @property
+    def hardware_prefetch(self) -> bool:
+        """Whether a one-row decode product whose x row and weight row fit in L1 leaves prefetching to the hardware."""
+        return self.mcpu in HARDWARE_PREFETCH_CPUS
 
     @property
     def lanes(self) -> int:

@@ -147,7 +147,7 @@ def gemv_tile(m: int, n: int, k: int, halves: int, budget: int) -> tuple[bool, i
     return blocked, group, cols
 
 
-def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
+def _rows_gemv(func: tirx.PrimFunc, target) -> tirx.PrimFunc | None:
     """The product x @ w.T (+ bias) of a few rows x (decode steps: one row per sequence) as a weight-streaming loop
     that reads each weight once for all rows, or None when the shape does not fit it.
 
@@ -164,12 +164,13 @@ def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     task holds GEMV_TASK_ROWS weight rows and passes over them one depth block at a time, so the block's slice of x
     stays in L1 for all of them (the partial sums wait in memory between blocks); its tile is then the shape with
     the fewest loads per product (4 weight rows where the registers allow: 25 GB/s against 22 for one row, four x
-    rows of [2048, 5632]). One row of float32 weights is left to `_gemv`, as fast there. Schedule primitives cannot
-    insert prefetches, so this loop nest is written out; it computes the sums of `compiler.kernels.linear` in
-    another order.
+    rows of [2048, 5632]). On a CPU whose hardware prefetchers suffice (`target.hardware_prefetch`, AMD Zen 4), one
+    x row that fits in L1 with a weight row streams without software prefetches. One row of float32 weights is left
+    to `_gemv`, as fast there. Schedule primitives cannot insert prefetches, so this loop nest is written out; it
+    computes the sums of `compiler.kernels.linear` in another order.
     """
     x_buf, w_buf = func.params[:2]
-    m = int(x_buf.shape[0])
+    m, lanes = int(x_buf.shape[0]), target.lanes
     n, k = (int(d) for d in w_buf.shape)
     halves = 2 if m == 1 else 1  # one row: two accumulators per weight row, to hide the FMA latency
     step = halves * lanes
@@ -181,6 +182,7 @@ def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
     block = next(b for b in range(GEMV_X_BLOCK_BYTES // (4 * m) // step * step, 0, -step) if k % b == 0) \
         if blocked else k
     row_bytes = k * tvm.DataType(w_buf.dtype).bits // 8
+    prefetching = not (target.hardware_prefetch and m == 1 and 4 * k + row_bytes <= GEMV_L1_BYTES)
     run = 1 if blocked else max(p for p in range(1, -(-STREAM_BYTES // row_bytes) + 1) if n % (cols * p) == 0)
     rows_per_task = tiles * cols * run
     line = max(1, CACHE_LINE // (step * tvm.DataType(w_buf.dtype).bits // 8))  # steps per cache line of a row
@@ -214,7 +216,7 @@ def _rows_gemv(func: tirx.PrimFunc, lanes: int) -> tirx.PrimFunc | None:
                             for lane in T.vectorized(lanes):
                                 acc[r, c, h, lane] = sums[t, j, g * group + r, c, h, lane]
                 for s in range(block // (step * per_line)):
-                    if g == 0:  # one prefetch per cache line of each of the next run of tiles' rows
+                    if prefetching and g == 0:  # one prefetch per cache line of each of the next run of tiles' rows
                         for c in T.unroll(cols):
                             T.evaluate(prefetch(flat[T.min((row(task, t, c, j) + cols * run) * k + at(kb, s, 0),
                                                                  n * k - 1)]))
@@ -464,7 +466,7 @@ def _written(func: tirx.PrimFunc, kind: str, target, attrs: dict | None) -> tirx
     if kind == "linear":
         rows = int(func.params[0].shape[0])
         gemm = BF16_GEMMS[bf16_products](func) if bf16_products and rows >= BF16_MIN_ROWS else None
-        return gemm if gemm is not None else _rows_gemv(func, lanes)
+        return gemm if gemm is not None else _rows_gemv(func, target)
     if kind == "paged_attention" and attrs is not None:
         return paged_attention(func, attrs, lanes, target.bf16_attention)
     if kind == "batch_gated_delta_rule" and attrs is not None:
