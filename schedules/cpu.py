@@ -16,17 +16,15 @@ from tvm.script import tirx as T
 
 from . import stages
 from .amx import amx_awq_gemm, amx_gemm
-from .avx512_bf16 import dpbf16_gemm
+from .avx512_bf16 import dpbf16_gemm, dpbf16_gemv
 from .cpu_attention import paged_attention
 from .cpu_awq import awq_linear
 from .cpu_conv import causal_conv
 from .cpu_delta import delta_rule
 from .loops import split_loops, static_extent
 from .vector_math import vector_math
-from .written import CACHE_LINE, linear_func, packed_weight, paired_weight, prefetch
-
-
-SERIAL_WORK = 1 << 14  # elements (times the loop each one runs) that a kernel leaves to one core
+from .written import (CACHE_LINE, SERIAL_WORK, STREAM_BYTES, linear_func, packed_weight, paired_weight, prefetch, stream_run,
+                      task_loop)
 
 
 def _parallel(sch: s_tir.Schedule, loop, work: int | None) -> None:
@@ -129,11 +127,11 @@ def _linear(sch: s_tir.Schedule, lanes: int) -> None:
 
 
 GEMV_MAX_ROWS = 16  # activation rows a weight-streaming product takes (decode steps of up to this many sequences)
-BF16_MIN_ROWS = 16  # a bf16 build's products from this many rows (one AMX tile of them) run in bfloat16; fewer: float32
+BF16_MIN_ROWS = 16  # a bf16 build's products from this many rows (one AMX tile of them) run in bfloat16; fewer: float32,
+# except one row (a decode step) on AVX512-BF16 dot products (`dpbf16_gemv`)
 GEMV_L1_BYTES = 32 * 1024  # x rows larger than a core's L1 data cache are read one depth block at a time
 GEMV_X_BLOCK_BYTES = 16 * 1024  # ... of this many bytes of x (half of L1: the weights stream through it too)
 GEMV_TASK_ROWS = 16  # several x rows: weight rows per task, passed over depth block by depth block
-STREAM_BYTES = 4096  # bytes of consecutive weights each stream of a one-pass product reads at least, if it can
 
 
 def gemv_tile(m: int, n: int, k: int, halves: int, budget: int) -> tuple[bool, int, int]:
@@ -147,7 +145,7 @@ def gemv_tile(m: int, n: int, k: int, halves: int, budget: int) -> tuple[bool, i
     return blocked, group, cols
 
 
-def _rows_gemv(func: tirx.PrimFunc, target) -> tirx.PrimFunc | None:
+def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None) -> tirx.PrimFunc | None:
     """The product x @ w.T (+ bias) of a few rows x (decode steps: one row per sequence) as a weight-streaming loop
     that reads each weight once for all rows, or None when the shape does not fit it.
 
@@ -165,7 +163,9 @@ def _rows_gemv(func: tirx.PrimFunc, target) -> tirx.PrimFunc | None:
     stays in L1 for all of them (the partial sums wait in memory between blocks); its tile is then the shape with
     the fewest loads per product (4 weight rows where the registers allow: 25 GB/s against 22 for one row, four x
     rows of [2048, 5632]). On a CPU whose hardware prefetchers suffice (`target.hardware_prefetch`, AMD Zen 4), one
-    x row that fits in L1 with a weight row streams without software prefetches. One row of float32 weights is left
+    x row that fits with a weight row in half of L1 streams without software prefetches (896 x 896 from memory:
+    31.6 GB/s against 28.5 with them; with a 4864-deep row, 26.6 against 34.0); `prefetching` overrides that
+    choice (benchmarks.decode_products). One row of float32 weights is left
     to `_gemv`, as fast there. Schedule primitives cannot insert prefetches, so this loop nest is written out; it
     computes the sums of `compiler.kernels.linear` in another order.
     """
@@ -182,12 +182,13 @@ def _rows_gemv(func: tirx.PrimFunc, target) -> tirx.PrimFunc | None:
     block = next(b for b in range(GEMV_X_BLOCK_BYTES // (4 * m) // step * step, 0, -step) if k % b == 0) \
         if blocked else k
     row_bytes = k * tvm.DataType(w_buf.dtype).bits // 8
-    prefetching = not (target.hardware_prefetch and m == 1 and 4 * k + row_bytes <= GEMV_L1_BYTES)
-    run = 1 if blocked else max(p for p in range(1, -(-STREAM_BYTES // row_bytes) + 1) if n % (cols * p) == 0)
+    if prefetching is None:
+        prefetching = not (target.hardware_prefetch and m == 1 and 4 * k + row_bytes <= GEMV_X_BLOCK_BYTES)
+    run = 1 if blocked else stream_run(n, row_bytes, cols)
     rows_per_task = tiles * cols * run
     line = max(1, CACHE_LINE // (step * tvm.DataType(w_buf.dtype).bits // 8))  # steps per cache line of a row
     per_line = line if block % (step * line) == 0 else 1
-    tasks = T.parallel if m * n * k > SERIAL_WORK else T.serial  # as `_parallel` decides
+    tasks = task_loop(m * n * k)
 
     # Index arithmetic is written inline: a scalar bound by assignment in a macro becomes a one-element buffer on
     # the heap (TVM 0.27), which the loop then stores and reloads every step.
@@ -452,6 +453,14 @@ SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "layer
 BF16_GEMMS = {"amx": amx_gemm, "avx512bf16": dpbf16_gemm}
 
 
+def dot_row_prefetch(target, depth: int) -> bool:
+    """Whether a one-row product on dot products (`dpbf16_gemv`) of this depth prefetches its weights in software:
+    everywhere but on a CPU whose hardware prefetchers suffice (`target.hardware_prefetch`, AMD Zen 4) for rows of at
+    least STREAM_BYTES, which they follow better alone (2048 x 5632 streamed from memory at 32.8 GB/s against 30.1
+    with them); shorter rows still need them (4864 x 896: 31.9 against 21.8 without; docs/performance.md)."""
+    return not (target.hardware_prefetch and 2 * depth >= STREAM_BYTES)
+
+
 def _written(func: tirx.PrimFunc, kind: str, target, attrs: dict | None) -> tirx.PrimFunc | None:
     """A hand-written kernel for this op and shape on `target`, or None when schedule primitives handle it."""
     lanes, bf16_products, vnni = target.lanes, target.bf16_products, "avx512vnni" in target.features
@@ -466,6 +475,8 @@ def _written(func: tirx.PrimFunc, kind: str, target, attrs: dict | None) -> tirx
     if kind == "linear":
         rows = int(func.params[0].shape[0])
         gemm = BF16_GEMMS[bf16_products](func) if bf16_products and rows >= BF16_MIN_ROWS else None
+        if bf16_products == "avx512bf16" and rows == 1:
+            gemm = dpbf16_gemv(func, dot_row_prefetch(target, int(func.params[0].shape[1])))
         return gemm if gemm is not None else _rows_gemv(func, target)
     if kind == "paged_attention" and attrs is not None:
         return paged_attention(func, attrs, lanes, target.bf16_attention)

@@ -65,7 +65,7 @@ def assert_chunk_rounded_and_rows_float32(got: np.ndarray, inputs: list[np.ndarr
 
 def assert_bf16_prefill_tracks(ours: CompiledModel, hf, prompt: list[int]) -> None:
     """Prefill logits off transformers' float32 ones by the activations' bfloat16 rounding and no more (so the
-    bfloat16 products ran), the same greedy token, and the float32 decode step after it agreeing too."""
+    bfloat16 products ran), the same greedy token, and the decode step after it agreeing too."""
     import torch
 
     cache = ours.new_cache(len(prompt) + 8)

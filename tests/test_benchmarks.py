@@ -143,6 +143,21 @@ def test_the_decode_roofline_is_an_engine_that_takes_turns_with_the_others(monke
     assert reads == [4 << 20] * 2 * 6 * 2
 
 
+def test_decode_products_time_each_kernel_with_and_without_prefetches():
+    from benchmarks.decode_products import variants
+    from compiler.target import cpu_target
+    from schedules.avx512_bf16 import DOT
+
+    found = variants(64, 2048)
+    dots = cpu_target(None, "auto").for_weights("bfloat16").bf16_products == "avx512bf16"
+    assert ("bfloat16 build" in found) == dots  # the dot-product kernel where this CPU has it
+    for precision in ("float32", "bfloat16") if dots else ("float32",):
+        assert "llvm.prefetch" in found[f"{precision}, prefetch on"].script()
+        assert "llvm.prefetch" not in found[f"{precision}, prefetch off"].script()
+    if dots:
+        assert DOT in found["bfloat16 build"].script()
+
+
 def test_artifact_comparison_ratios_pair_each_round_with_the_first_artifacts_same_round():
     """A ratio to the first artifact is taken within each round (the host's speed drifts between rounds), then the
     median over rounds: here the second engine is twice as fast in every round although the rounds differ 4x."""
