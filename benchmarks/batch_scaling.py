@@ -1,7 +1,7 @@
 """Batch-N decode beside a single request on the one engine.
 
     python -m benchmarks.batch_scaling --work DIR [--shape qwen2.5-0.5b] [--dtype bfloat16] [--prompt 128]
-                                       [--tokens 64] [--runs 3] [--rows 8]
+                                       [--tokens 64] [--runs 3] [--rows 8] [--matmul-precision bfloat16]
 
 Builds one artifact (prefill bucket = the prompt length, steps for 1 and --rows sequences), then, in one
 process and alternating run by run: one request (`runtime.generate`: the prompt's prefill and --tokens greedy
@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from compiler.build import build
+from compiler.options import MATMUL_PRECISIONS
 from runtime import CompiledModel, GreedyGenerationConfig, generate
 
 from .checkpoints import SHAPES, real_shape_checkpoint
@@ -65,11 +66,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--matmul-precision", default="float32", choices=MATMUL_PRECISIONS)
     args = parser.parse_args()
     model_dir = real_shape_checkpoint(args.work, args.shape, args.dtype)
     context = args.prompt + args.tokens
-    artifact = build(model_dir, out=Path(args.work) / f"{model_dir.name}-rows{args.rows}", prefill_buckets=(args.prompt,),
-                     max_context=context, batch_rows=(1, args.rows), quiet=True).path
+    artifact = build(model_dir, out=Path(args.work) / f"{model_dir.name}-rows{args.rows}.{args.matmul_precision}",
+                     prefill_buckets=(args.prompt,), max_context=context, batch_rows=(1, args.rows),
+                     matmul_precision=args.matmul_precision, quiet=True).path
     model = CompiledModel(model_dir, artifact)
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, model.config.vocab_size, args.prompt)]
     config = GreedyGenerationConfig(args.tokens, eos_token_ids=[])
@@ -89,7 +92,8 @@ def main() -> None:
     median = {name: statistics.median(values) for name, values in figures.items()}
     for name, value in median.items():
         print(json.dumps({"figure": name, "tokens_per_s": round(value, 2), "runs": [round(v, 2) for v in figures[name]]}))
-    print(json.dumps({"cpu": cpu_name(), "shape": args.shape, "dtype": args.dtype, "prompt": args.prompt,
+    print(json.dumps({"cpu": cpu_name(), "shape": args.shape, "dtype": args.dtype,
+                      "matmul_precision": model.manifest.target.matmul_precision, "prompt": args.prompt,
                       "tokens": args.tokens, f"batch{args.rows}_over_batch1_decode": round(
                           median[f"decode_batch{args.rows}"] / median["single_decode"], 2)}))
 

@@ -16,10 +16,8 @@ writes them to y once at the end, each 16 x 16 block transposed in registers: ke
 rows of one column were 16 scattered accesses at every block, which cost the kernel 1.6-4.2x on a Zen 5
 (docs/performance.md).
 
-A decode step's product (one token row) runs on the same instruction along the depth instead (`dpbf16_gemv`): each
-lane adds the products of one depth pair of x (rounded to bfloat16 once per call) and of a weight row, so a step
-reads 64 bytes of weights per instruction where widening them to float32 took two loads, two conversions and two
-FMAs.
+Products of fewer rows (decode steps) run on the same instruction along the depth (`schedules.cpu._rows_gemv` with
+`DPBF16PS_IR`): each lane adds the products of one depth pair of an x row and of a weight row.
 
 TVM's LLVM backend stores bfloat16 as 16-bit integers and computes on it in float32, so no TVM expression has
 LLVM's `<32 x bfloat>` type that the intrinsic takes. The kernel calls a small LLVM IR function instead
@@ -32,8 +30,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .written import (CACHE_LINE, PAIR_ROWS, bf16_bits, horizontal, linear_func, pack_activation_pairs, prefetch,
-                      stream_run, task_loop, transpose)
+from .written import PAIR_ROWS, linear_func, pack_activation_pairs, transpose
 
 LANES = PAIR_ROWS  # float32 lanes of a zmm register (16): token rows per vector
 DEPTH_BLOCK_PAIRS = 512  # depth pairs per pass (1024 depth): a tile's activations and a task's weights stay in L2
@@ -150,60 +147,3 @@ def dpbf16_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.PrimFunc
 
     return linear_func(func, products)
 
-
-GEMV_HALVES = 2  # accumulators per weight row of a one-row product: two dot products in flight per stream
-GEMV_STEP = GEMV_HALVES * 2 * LANES  # depth per step: 64 bfloat16, two cache lines of a weight row
-
-
-def dpbf16_gemv(func: tirx.PrimFunc, prefetching: bool, dot_ir: str = DPBF16PS_IR) -> tirx.PrimFunc | None:
-    """x @ w.T (+ bias) for one float32 row x (a decode step) and bfloat16 w as AVX512-BF16 dot products along the
-    depth, with x rounded to bfloat16 once, or None when the shape does not fit (depth a multiple of GEMV_STEP).
-
-    As the float32 one-row product (`schedules.cpu._rows_gemv`): tasks of runs of consecutive weight rows across the
-    cores, each row one stream of weights, and (`prefetching`) a software prefetch per cache line of the row a run
-    ahead."""
-    x_buf, w_buf = func.params[:2]
-    m, k = (int(d) for d in x_buf.shape)
-    n = int(w_buf.shape[0])
-    if m != 1 or w_buf.dtype != "bfloat16" or x_buf.dtype != "float32" or k % GEMV_STEP:
-        return None
-    words = k // 2  # a depth pair: one 32-bit word
-    step_words = GEMV_STEP // 2
-    run = stream_run(n, 2 * k)
-    tasks = task_loop(n * k)
-    lines = 2 * GEMV_STEP // CACHE_LINE  # prefetches per step
-
-    def row(task, j):
-        """Weight row j of a task's run."""
-        return task * run + j
-
-    @T.macro
-    def products(x, w, y, first):
-        xp = T.alloc_buffer((k,), "uint16")
-        for d in T.serial(k // LANES):
-            for lane in T.vectorized(LANES):
-                xp[d * LANES + lane] = bf16_bits(x[0, d * LANES + lane])
-        xw = T.decl_buffer((words,), "int32", data=xp.data)
-        ww = T.decl_buffer((n, words), "int32", data=w.data)
-        flat = T.decl_buffer((n * words,), "int32", data=w.data)
-        with T.attr(0, "pragma_import_llvm", dot_ir):
-            for task in tasks(n // run):
-                acc = T.alloc_buffer((GEMV_HALVES, LANES), "float32")  # on the stack: in registers
-                for j in range(run):
-                    for h in T.unroll(GEMV_HALVES):
-                        for lane in T.vectorized(LANES):
-                            acc[h, lane] = T.float32(0)
-                    for s in range(words // step_words):
-                        if prefetching:
-                            for line in T.unroll(lines):
-                                T.evaluate(prefetch(flat[T.min((row(task, j) + run) * words + s * step_words
-                                                               + line * CACHE_LINE // 4, n * words - 1)]))
-                        for h in T.unroll(GEMV_HALVES):
-                            acc[h, T.ramp(0, 1, LANES)] = T.call_extern(
-                                "float32x16", DOT, acc[h, T.ramp(0, 1, LANES)],
-                                xw[T.ramp(s * step_words + h * LANES, 1, LANES)],
-                                ww[row(task, j), T.ramp(s * step_words + h * LANES, 1, LANES)])
-                    y[0, row(task, j)] = first(row(task, j)) + horizontal(
-                        acc[0, T.ramp(0, 1, LANES)] + acc[1, T.ramp(0, 1, LANES)], LANES, lambda a, b: a + b)
-
-    return linear_func(func, products)

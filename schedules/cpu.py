@@ -16,15 +16,17 @@ from tvm.script import tirx as T
 
 from . import stages
 from .amx import amx_awq_gemm, amx_gemm
-from .avx512_bf16 import dpbf16_gemm, dpbf16_gemv
+from .avx512_bf16 import DOT, DPBF16PS_IR, dpbf16_gemm
 from .cpu_attention import paged_attention
 from .cpu_awq import awq_linear
 from .cpu_conv import causal_conv
 from .cpu_delta import delta_rule
 from .loops import split_loops, static_extent
 from .vector_math import vector_math
-from .written import (CACHE_LINE, SERIAL_WORK, STREAM_BYTES, linear_func, packed_weight, paired_weight, prefetch, stream_run,
-                      task_loop)
+from .written import CACHE_LINE, bf16_bits, linear_func, packed_weight, paired_weight, prefetch
+
+
+SERIAL_WORK = 1 << 14  # elements (times the loop each one runs) that a kernel leaves to one core
 
 
 def _parallel(sch: s_tir.Schedule, loop, work: int | None) -> None:
@@ -127,25 +129,27 @@ def _linear(sch: s_tir.Schedule, lanes: int) -> None:
 
 
 GEMV_MAX_ROWS = 16  # activation rows a weight-streaming product takes (decode steps of up to this many sequences)
-BF16_MIN_ROWS = 16  # a bf16 build's products from this many rows (one AMX tile of them) run in bfloat16; fewer: float32,
-# except one row (a decode step) on AVX512-BF16 dot products (`dpbf16_gemv`)
+BF16_MIN_ROWS = 16  # a bf16 build's products from this many rows (one AMX tile of them) run on its bf16 GEMM
 GEMV_L1_BYTES = 32 * 1024  # x rows larger than a core's L1 data cache are read one depth block at a time
 GEMV_X_BLOCK_BYTES = 16 * 1024  # ... of this many bytes of x (half of L1: the weights stream through it too)
 GEMV_TASK_ROWS = 16  # several x rows: weight rows per task, passed over depth block by depth block
+STREAM_BYTES = 4096  # bytes of consecutive weights each stream of a one-pass product reads at least, if it can
 
 
-def gemv_tile(m: int, n: int, k: int, halves: int, budget: int) -> tuple[bool, int, int]:
-    """(blocked, x rows per group, weight rows per tile) of `_rows_gemv` for m x rows of depth k and n weight rows,
-    `halves` accumulators per product and at most `budget` accumulators: blocked when the x rows outgrow L1; one
-    weight row a tile (one stream of weights) while they fit, else the tile with the fewest loads per product."""
-    blocked = m > 1 and m * k * 4 > GEMV_L1_BYTES and n % GEMV_TASK_ROWS == 0
+def gemv_tile(m: int, n: int, k: int, halves: int, budget: int, x_bytes: int = 4) -> tuple[bool, int, int]:
+    """(blocked, x rows per group, weight rows per tile) of `_rows_gemv` for m x rows of depth k (`x_bytes` an
+    element) and n weight rows, `halves` accumulators per product and at most `budget` accumulators: blocked when
+    the x rows outgrow L1; one weight row a tile (one stream of weights) while they fit, else the tile with the
+    fewest loads per product."""
+    blocked = m > 1 and m * k * x_bytes > GEMV_L1_BYTES and n % GEMV_TASK_ROWS == 0
     group, cols = min(((g, c) for g in range(1, m + 1) for c in ((4, 2, 1) if blocked else (1,))
                        if m % g == 0 and n % c == 0 and g * c * halves <= budget),
                       key=lambda gc: ((gc[0] + gc[1]) / (gc[0] * gc[1]), -gc[0]))
     return blocked, group, cols
 
 
-def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None) -> tirx.PrimFunc | None:
+def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
+               dot_ir: str | None = None) -> tirx.PrimFunc | None:
     """The product x @ w.T (+ bias) of a few rows x (decode steps: one row per sequence) as a weight-streaming loop
     that reads each weight once for all rows, or None when the shape does not fit it.
 
@@ -162,33 +166,49 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None) -> 
     task holds GEMV_TASK_ROWS weight rows and passes over them one depth block at a time, so the block's slice of x
     stays in L1 for all of them (the partial sums wait in memory between blocks); its tile is then the shape with
     the fewest loads per product (4 weight rows where the registers allow: 25 GB/s against 22 for one row, four x
-    rows of [2048, 5632]). On a CPU whose hardware prefetchers suffice (`target.hardware_prefetch`, AMD Zen 4), one
-    x row that fits with a weight row in half of L1 streams without software prefetches (896 x 896 from memory:
-    31.6 GB/s against 28.5 with them; with a 4864-deep row, 26.6 against 34.0); `prefetching` overrides that
-    choice (benchmarks.decode_products). One row of float32 weights is left
-    to `_gemv`, as fast there. Schedule primitives cannot insert prefetches, so this loop nest is written out; it
-    computes the sums of `compiler.kernels.linear` in another order.
+    rows of [2048, 5632]). One row of float32 weights is left to `_gemv`, as fast there.
+
+    With `dot_ir` (bfloat16 weights, a bf16 build on AVX512-BF16: `schedules.avx512_bf16`), the x rows are rounded
+    to bfloat16 once and a step's products are dot products of depth pairs: each instruction multiplies 32 weights
+    of a row with 32 of an x row and adds them into 16 float32 lanes, where the widening form spends a load, a
+    conversion and an FMA on every 16 weights (one row of TinyLlama's [2048, 5632] from memory: 43.6 GB/s against
+    24.9 on AMD Zen 4; batch decode, where the widening form runs out of FMAs before memory runs out of bytes, more).
+
+    On a CPU whose hardware prefetchers suffice (`target.hardware_prefetch`, AMD Zen 4), one x row streams without
+    software prefetches where they slow it: the widening form where x and a weight row fit in half of L1 (896 x 896
+    from memory: 31.6 GB/s against 28.5 with them; 4864-deep rows 20.0 against 30.4 without), the dot-product form,
+    which reads 128 bytes a step, for rows of at least STREAM_BYTES (2048 x 5632: 42.6 against 34.5 with them;
+    896-deep rows 25.5 against 45.3 without); `prefetching` overrides that choice (benchmarks.decode_products).
+    Schedule primitives cannot insert prefetches, so this loop nest is written out; it computes the sums of
+    `compiler.kernels.linear` in another order.
     """
     x_buf, w_buf = func.params[:2]
     m, lanes = int(x_buf.shape[0]), target.lanes
     n, k = (int(d) for d in w_buf.shape)
+    dot = dot_ir is not None
+    pair = 2 if dot else 1  # depth elements per lane of a step's product
     halves = 2 if m == 1 else 1  # one row: two accumulators per weight row, to hide the FMA latency
-    step = halves * lanes
+    step = halves * lanes * pair
     budget = 16 if lanes >= 16 else 8  # accumulators: half the SIMD registers (AVX-512 has 32, AVX2 16)
-    if m > GEMV_MAX_ROWS or k % step or (m == 1 and w_buf.dtype not in ("bfloat16", "float16")):
+    if m > GEMV_MAX_ROWS or k % step or (m == 1 and w_buf.dtype not in ("bfloat16", "float16")) or \
+            (dot and (w_buf.dtype != "bfloat16" or lanes != 16)):
         return None
-    blocked, group, cols = gemv_tile(m, n, k, halves, budget)
+    x_bytes = 4 // pair  # x as the products read it: float32, or rounded to bfloat16
+    blocked, group, cols = gemv_tile(m, n, k, halves, budget, x_bytes)
     tiles = GEMV_TASK_ROWS // cols if blocked else 1  # weight-row tiles per task
-    block = next(b for b in range(GEMV_X_BLOCK_BYTES // (4 * m) // step * step, 0, -step) if k % b == 0) \
+    block = next(b for b in range(GEMV_X_BLOCK_BYTES // (x_bytes * m) // step * step, 0, -step) if k % b == 0) \
         if blocked else k
-    row_bytes = k * tvm.DataType(w_buf.dtype).bits // 8
+    w_bytes = tvm.DataType(w_buf.dtype).bits // 8
+    row_bytes = k * w_bytes
     if prefetching is None:
-        prefetching = not (target.hardware_prefetch and m == 1 and 4 * k + row_bytes <= GEMV_X_BLOCK_BYTES)
-    run = 1 if blocked else stream_run(n, row_bytes, cols)
+        fits = 2 * k >= STREAM_BYTES if dot else 4 * k + row_bytes <= GEMV_X_BLOCK_BYTES
+        prefetching = not (target.hardware_prefetch and m == 1 and fits)
+    run = 1 if blocked else max(p for p in range(1, -(-STREAM_BYTES // row_bytes) + 1) if n % (cols * p) == 0)
     rows_per_task = tiles * cols * run
-    line = max(1, CACHE_LINE // (step * tvm.DataType(w_buf.dtype).bits // 8))  # steps per cache line of a row
+    line = max(1, CACHE_LINE // (step * w_bytes))  # steps per cache line of a row
     per_line = line if block % (step * line) == 0 else 1
-    tasks = task_loop(m * n * k)
+    lines = max(1, step * w_bytes // CACHE_LINE)  # cache lines of a row per step
+    tasks = T.parallel if m * n * k > SERIAL_WORK else T.serial  # as `_parallel` decides
 
     # Index arithmetic is written inline: a scalar bound by assignment in a macro becomes a one-element buffer on
     # the heap (TVM 0.27), which the loop then stores and reloads every step.
@@ -202,8 +222,35 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None) -> 
         return kb * block + (s * per_line + u) * step
 
     @T.macro
-    def products(xs, ws, ys, first):
-        flat = T.decl_buffer((n * k,), w_buf.dtype, data=ws.data)
+    def widened_products(acc, wide, xs, ws, task, t, j, g, kb, s, u):
+        """A step's products as FMAs of x with the weights widened to float32."""
+        for c in T.unroll(cols):
+            for h in T.unroll(halves):
+                for lane in T.vectorized(lanes):
+                    wide[c, h, lane] = T.Cast("float32", ws[row(task, t, c, j), at(kb, s, u) + h * lanes + lane])
+        for r in T.unroll(group):
+            for c in T.unroll(cols):
+                for h in T.unroll(halves):
+                    for lane in T.vectorized(lanes):
+                        acc[r, c, h, lane] = acc[r, c, h, lane] + \
+                            xs[g * group + r, at(kb, s, u) + h * lanes + lane] * wide[c, h, lane]
+
+    @T.macro
+    def dot_products(acc, wide, xs, ws, task, t, j, g, kb, s, u):
+        """A step's products as dot products of depth pairs (xs, ws: views of 32-bit words, a pair each)."""
+        for r in T.unroll(group):
+            for c in T.unroll(cols):
+                for h in T.unroll(halves):
+                    acc[r, c, h, T.ramp(0, 1, lanes)] = T.call_extern(
+                        "float32x16", DOT, acc[r, c, h, T.ramp(0, 1, lanes)],
+                        xs[g * group + r, T.ramp(at(kb, s, u) // 2 + h * lanes, 1, lanes)],
+                        ws[row(task, t, c, j), T.ramp(at(kb, s, u) // 2 + h * lanes, 1, lanes)])
+
+    step_products = dot_products if dot else widened_products
+
+    @T.macro
+    def streamed(xs, ws, ys, first, flat):
+        """The loop nest over x (xs) and w (ws) as the step's products read them; `flat` w as one vector."""
         for task in tasks(n // rows_per_task):
             sums = T.alloc_buffer((tiles, run, m, cols, halves, lanes), "float32")  # partials between depth blocks
             acc = T.alloc_buffer((group, cols, halves, lanes), "float32")  # on the stack (see cpu_attention): registers
@@ -219,20 +266,11 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None) -> 
                 for s in range(block // (step * per_line)):
                     if prefetching and g == 0:  # one prefetch per cache line of each of the next run of tiles' rows
                         for c in T.unroll(cols):
-                            T.evaluate(prefetch(flat[T.min((row(task, t, c, j) + cols * run) * k + at(kb, s, 0),
-                                                                 n * k - 1)]))
+                            for p in T.unroll(lines):
+                                T.evaluate(prefetch(flat[T.min((row(task, t, c, j) + cols * run) * k + at(kb, s, 0)
+                                                               + p * CACHE_LINE // w_bytes, n * k - 1)]))
                     for u in T.unroll(per_line):
-                        for c in T.unroll(cols):
-                            for h in T.unroll(halves):
-                                for lane in T.vectorized(lanes):
-                                    wide[c, h, lane] = T.Cast("float32",
-                                                              ws[row(task, t, c, j), at(kb, s, u) + h * lanes + lane])
-                        for r in T.unroll(group):
-                            for c in T.unroll(cols):
-                                for h in T.unroll(halves):
-                                    for lane in T.vectorized(lanes):
-                                        acc[r, c, h, lane] = acc[r, c, h, lane] + \
-                                            xs[g * group + r, at(kb, s, u) + h * lanes + lane] * wide[c, h, lane]
+                        step_products(acc, wide, xs, ws, task, t, j, g, kb, s, u)
                 for r in T.unroll(group):
                     for c in T.unroll(cols):
                         for h in T.unroll(halves):
@@ -243,7 +281,24 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None) -> 
                 for h, lane in T.grid(halves, lanes):
                     ys[r, row(task, t, c, j)] = ys[r, row(task, t, c, j)] + sums[t, j, r, c, h, lane]
 
-    return linear_func(func, products)
+    @T.macro
+    def widened(xs, ws, ys, first):
+        flat = T.decl_buffer((n * k,), w_buf.dtype, data=ws.data)
+        streamed(xs, ws, ys, first, flat)
+
+    @T.macro
+    def dots(xs, ws, ys, first):
+        xp = T.alloc_buffer((m, k), "uint16")  # x rounded to bfloat16, once
+        for r, d in T.grid(m, k // lanes):
+            for lane in T.vectorized(lanes):
+                xp[r, d * lanes + lane] = bf16_bits(xs[r, d * lanes + lane])
+        x_pairs = T.decl_buffer((m, k // 2), "int32", data=xp.data)  # a depth pair: one 32-bit word
+        w_pairs = T.decl_buffer((n, k // 2), "int32", data=ws.data)
+        flat = T.decl_buffer((n * k,), w_buf.dtype, data=ws.data)
+        with T.attr(0, "pragma_import_llvm", dot_ir):
+            streamed(x_pairs, w_pairs, ys, first, flat)
+
+    return linear_func(func, dots if dot else widened)
 
 
 def _gemv(sch: s_tir.Schedule, block, lanes: int) -> None:
@@ -453,14 +508,6 @@ SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "layer
 BF16_GEMMS = {"amx": amx_gemm, "avx512bf16": dpbf16_gemm}
 
 
-def dot_row_prefetch(target, depth: int) -> bool:
-    """Whether a one-row product on dot products (`dpbf16_gemv`) of this depth prefetches its weights in software:
-    everywhere but on a CPU whose hardware prefetchers suffice (`target.hardware_prefetch`, AMD Zen 4) for rows of at
-    least STREAM_BYTES, which they follow better alone (2048 x 5632 streamed from memory at 32.8 GB/s against 30.1
-    with them); shorter rows still need them (4864 x 896: 31.9 against 21.8 without; docs/performance.md)."""
-    return not (target.hardware_prefetch and 2 * depth >= STREAM_BYTES)
-
-
 def _written(func: tirx.PrimFunc, kind: str, target, attrs: dict | None) -> tirx.PrimFunc | None:
     """A hand-written kernel for this op and shape on `target`, or None when schedule primitives handle it."""
     lanes, bf16_products, vnni = target.lanes, target.bf16_products, "avx512vnni" in target.features
@@ -475,8 +522,8 @@ def _written(func: tirx.PrimFunc, kind: str, target, attrs: dict | None) -> tirx
     if kind == "linear":
         rows = int(func.params[0].shape[0])
         gemm = BF16_GEMMS[bf16_products](func) if bf16_products and rows >= BF16_MIN_ROWS else None
-        if bf16_products == "avx512bf16" and rows == 1:
-            gemm = dpbf16_gemv(func, dot_row_prefetch(target, int(func.params[0].shape[1])))
+        if gemm is None and bf16_products == "avx512bf16":  # few rows on dot products too
+            gemm = _rows_gemv(func, target, dot_ir=DPBF16PS_IR)
         return gemm if gemm is not None else _rows_gemv(func, target)
     if kind == "paged_attention" and attrs is not None:
         return paged_attention(func, attrs, lanes, target.bf16_attention)

@@ -9,21 +9,6 @@ from ir.packing import pair_order, pair_scale, pair_value
 
 CACHE_LINE = 64  # bytes: what one prefetch brings in
 FLOATS_PER_LINE = CACHE_LINE // 4
-SERIAL_WORK = 1 << 14  # elements (times the loop each one runs) that a kernel leaves to one core
-STREAM_BYTES = 4096  # bytes of consecutive weights each stream of a one-pass product reads at least, if it can
-
-
-def task_loop(work: int):
-    """The loop of a kernel's tasks: across the cores, or serial when its whole work is at most SERIAL_WORK (waking
-    the thread pool costs more than that much work saves)."""
-    return T.parallel if work > SERIAL_WORK else T.serial
-
-
-def stream_run(n: int, row_bytes: int, cols: int = 1) -> int:
-    """Consecutive tiles of `cols` weight rows (of `row_bytes` each, n rows in all) that one task of a one-pass
-    product streams through, so that it reads at least STREAM_BYTES in a row where n allows it (a prefetch of the
-    next run then reaches that far ahead)."""
-    return max(p for p in range(1, -(-STREAM_BYTES // row_bytes) + 1) if n % (cols * p) == 0)
 
 
 def prefetch(element, into_l1: bool = False):

@@ -1,5 +1,5 @@
-"""bfloat16 prefill products as AVX512-BF16 dot products (`--matmul-precision bfloat16` on CPUs without AMX), one-row
-decode products along the depth on them, and
+"""bfloat16 prefill products as AVX512-BF16 dot products (`--matmul-precision bfloat16` on CPUs without AMX), decode
+products along the depth on them, and
 prompt chunks' attention products on them where the CPU issues them at its FMA rate, the choice between the two
 bfloat16 paths, `--matmul-precision auto`, and their errors.
 
@@ -28,7 +28,7 @@ from ir.cpu_features import host_cpu_flags
 from models.tiny import write_tiny_checkpoint
 from runtime import CompiledModel
 from schedules import cpu
-from schedules.avx512_bf16 import DOT, dpbf16_gemm, dpbf16_gemv
+from schedules.avx512_bf16 import DOT, DPBF16PS_IR, dpbf16_gemm
 from schedules.cpu_attention import paged_attention
 
 HAS_AVX512_BF16 = {"avx512f", "avx512_bf16"} <= host_cpu_flags()
@@ -122,18 +122,26 @@ def test_the_instruction_computes_what_the_portable_dot_does(rows, depth, cols):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * float(np.abs(want).max()))
 
 
-@pytest.mark.parametrize("depth,cols", [
-    (64, 16),  # one step of the depth a row
-    (896, 128),  # short rows: runs of two per task
-    (5632, 96),  # long rows: one per task
-    (128, 7),  # a prime number of rows
+def rows_kernel(rows: int, depth: int, cols: int, bias: str | None = None, prefetching: bool | None = None,
+                dot_ir: str = PORTABLE_DOT, mcpu: str = "znver4"):
+    """The few-row product on dot products for these shapes (`dot_ir`: the portable one, or the instruction)."""
+    return cpu._rows_gemv(linear_kernel(rows, depth, cols, bias), cpu_target(mcpu, "bfloat16"), prefetching, dot_ir)
+
+
+@pytest.mark.parametrize("rows,depth,cols", [
+    (1, 64, 16),  # one step of the depth a row
+    (1, 896, 128),  # short rows: runs of two per task
+    (1, 5632, 96),  # long rows: one per task
+    (1, 128, 7),  # a prime number of weight rows
+    (3, 896, 24),  # a group of three x rows over each weight row
+    (8, 2048, 48),  # x rows of 32 KiB in bfloat16: one pass, where in float32 they outgrow L1
+    (16, 3072, 48),  # they outgrow it: tasks of 16 weight rows in 4-row tiles, several depth blocks
 ])
 @pytest.mark.parametrize("bias", [None, "bfloat16", "float32"])
 @pytest.mark.parametrize("prefetching", [False, True])
-def test_decode_row_matches_numpy_on_its_rounded_activations(depth, cols, bias, prefetching):
-    inputs = random_inputs(1, depth, cols, bias, np.random.default_rng(depth))  # RNG's draws stay the other tests'
-    kernel = dpbf16_gemv(linear_kernel(1, depth, cols, bias), prefetching, PORTABLE_DOT)
-    got = run(kernel, inputs, 1, cols)
+def test_decode_rows_match_numpy_on_their_rounded_activations(rows, depth, cols, bias, prefetching):
+    inputs = random_inputs(rows, depth, cols, bias, np.random.default_rng(depth))  # RNG's draws stay the others'
+    got = run(rows_kernel(rows, depth, cols, bias, prefetching), inputs, rows, cols)
     want = reference(inputs)
     np.testing.assert_allclose(got, want, rtol=0, atol=5e-6 * float(np.abs(want).max()))
     exact = reference(inputs, rounded=False)
@@ -141,28 +149,30 @@ def test_decode_row_matches_numpy_on_its_rounded_activations(depth, cols, bias, 
 
 
 @needs_avx512_bf16
-@pytest.mark.parametrize("depth,cols", [(896, 128), (5632, 96)])
-def test_the_instruction_computes_the_decode_row_as_the_portable_dot_does(depth, cols):
-    inputs = random_inputs(1, depth, cols, "float32", np.random.default_rng(depth))
-    got = run(dpbf16_gemv(linear_kernel(1, depth, cols, "float32"), False), inputs, 1, cols)
-    portable = run(dpbf16_gemv(linear_kernel(1, depth, cols, "float32"), False, PORTABLE_DOT), inputs, 1, cols)
+@pytest.mark.parametrize("rows,depth,cols", [(1, 896, 128), (1, 5632, 96), (8, 2048, 48), (16, 3072, 48)])
+def test_the_instruction_computes_the_decode_rows_as_the_portable_dot_does(rows, depth, cols):
+    inputs = random_inputs(rows, depth, cols, "float32", np.random.default_rng(depth))
+    got = run(rows_kernel(rows, depth, cols, "float32", dot_ir=DPBF16PS_IR, mcpu=None), inputs, rows, cols)
+    portable = run(rows_kernel(rows, depth, cols, "float32", mcpu=None), inputs, rows, cols)
     np.testing.assert_allclose(got, portable, rtol=1e-6, atol=1e-6 * float(np.abs(portable).max()))
 
 
-@pytest.mark.parametrize("mcpu,depth,prefetches", [
-    ("znver5", 5632, True), ("cooperlake", 896, True),  # software prefetches at every depth
-    ("znver4", 5632, False), ("znver4", 2048, False),  # Zen 4: rows of 4 KiB and more left to the hardware
-    ("znver4", 896, True)])  # ... shorter ones not
-def test_decode_rows_prefetch_in_software_where_the_hardware_falls_short(mcpu, depth, prefetches):
-    kernel = cpu.schedule(linear_kernel(1, depth, 256), "linear", {}, cpu_target(mcpu, "bfloat16"))
-    assert DOT in kernel.script()  # the dot-product kernel
+@pytest.mark.parametrize("mcpu,rows,depth,prefetches", [
+    ("znver5", 1, 5632, True), ("cooperlake", 1, 896, True),  # software prefetches at every depth
+    ("znver4", 1, 5632, False), ("znver4", 1, 2048, False),  # Zen 4: rows of 4 KiB and more left to the hardware
+    ("znver4", 1, 896, True), ("znver4", 4, 5632, True)])  # ... shorter ones not, nor several x rows
+def test_decode_rows_prefetch_in_software_where_the_hardware_falls_short(mcpu, rows, depth, prefetches):
+    kernel = cpu.schedule(linear_kernel(rows, depth, 256), "linear", {}, cpu_target(mcpu, "bfloat16"))
+    assert DOT in kernel.script()  # the dot-product form
     assert ("llvm.prefetch" in kernel.script()) == prefetches
 
 
 def test_decode_shapes_that_do_not_fit_keep_float32_products():
-    for rows, depth, dtype in [(1, 96, "bfloat16"), (2, 64, "bfloat16"), (1, 64, "float16"), (1, 64, "float32")]:
-        types = [TensorType((rows, depth), "float32"), TensorType((32, depth), dtype)]
-        assert dpbf16_gemv(make_kernel("linear", types, {}).func, False) is None
+    for rows, depth, dtype in [(1, 96, "bfloat16"), (2, 48, "bfloat16"), (17, 64, "bfloat16"), (2, 64, "float16"),
+                               (1, 64, "float32")]:
+        assert cpu._rows_gemv(make_kernel("linear", [TensorType((rows, depth), "float32"),
+                                                     TensorType((32, depth), dtype)], {}).func,
+                              cpu_target("znver4", "bfloat16"), dot_ir=PORTABLE_DOT) is None
 
 
 def run_attention(inputs: list[np.ndarray], attrs: dict, monkeypatch, dot_ir: str | None) -> tuple[np.ndarray, str]:
@@ -222,7 +232,7 @@ def test_shapes_that_do_not_fit_keep_float32_products():
 
 
 @pytest.mark.parametrize("mcpu", ["znver4", "znver5", "cooperlake"])
-def test_cpus_with_avx512_bf16_and_no_amx_compile_prefill_and_one_row_products_to_vdpbf16ps(mcpu):
+def test_cpus_with_avx512_bf16_and_no_amx_compile_prefill_and_decode_products_to_vdpbf16ps(mcpu):
     target = cpu_target(mcpu, "bfloat16")
     assert target.bf16_products == "avx512bf16" and "avx512bf16" in target.features
     assert "amx-tile" not in target.features
@@ -231,9 +241,9 @@ def test_cpus_with_avx512_bf16_and_no_amx_compile_prefill_and_one_row_products_t
     assert asm.count("vdpbf16ps") >= 16  # the 4 x 4 register tile, unrolled
     asm = tvm.compile(cpu.schedule(decode, "linear", {}, target), target.tvm_target()).mod.inspect_source("asm")
     assert asm.count("vdpbf16ps") >= 2  # one-row decode: two dot products a step
-    asm = tvm.compile(cpu.schedule(linear_kernel(2, 896, 128), "linear", {}, target),
+    asm = tvm.compile(cpu.schedule(linear_kernel(8, 896, 128), "linear", {}, target),
                       target.tvm_target()).mod.inspect_source("asm")
-    assert "vdpbf16ps" not in asm  # decode steps of several sequences stay float32
+    assert asm.count("vdpbf16ps") >= 8  # eight sequences' decode: one dot product per row a step
 
 
 def test_the_path_each_cpu_gets_and_what_auto_resolves_to():
