@@ -201,8 +201,8 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
     w_bytes = tvm.DataType(w_buf.dtype).bits // 8
     row_bytes = k * w_bytes
     if prefetching is None:
-        fits = 2 * k >= STREAM_BYTES if dot else 4 * k + row_bytes <= GEMV_X_BLOCK_BYTES
-        prefetching = not (target.hardware_prefetch and m == 1 and fits)
+        hardware_suffices = 2 * k >= STREAM_BYTES if dot else 4 * k + row_bytes <= GEMV_X_BLOCK_BYTES
+        prefetching = not (target.hardware_prefetch and m == 1 and hardware_suffices)
     run = 1 if blocked else max(p for p in range(1, -(-STREAM_BYTES // row_bytes) + 1) if n % (cols * p) == 0)
     rows_per_task = tiles * cols * run
     line = max(1, CACHE_LINE // (step * w_bytes))  # steps per cache line of a row
