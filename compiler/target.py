@@ -28,10 +28,12 @@ BF16_PATH_NAMES = {"amx": "AMX tiles", "avx512bf16": "AVX512-BF16 dot products"}
 # a dot product of pairs does two FMAs' work: prompt chunks' attention runs its products on it there. An Intel Xeon
 # with AMX issues it at a quarter of its FMA rate (docs/performance.md): there float32 attention is faster.
 EQUAL_RATE_BF16_DOT_CPUS = ("znver",)
-# CPUs whose hardware prefetchers alone keep a one-row decode product at the memory's rate while its x row and a
-# weight row fit in L1 together: on AMD Zen 4 software prefetches into L2 cost such products 1.1-1.5x, and gained
-# only where the two did not fit (K = 5632); an Intel Xeon and Zen 5 run faster with them (docs/performance.md).
+# CPUs whose hardware prefetchers alone keep some one-row decode products at the memory's rate (AMD Zen 4: which
+# ones, `schedules.cpu._rows_gemv`); an Intel Xeon and Zen 5 run faster with software prefetches (docs/performance.md).
 HARDWARE_PREFETCH_CPUS = ("znver4",)
+# CPUs that run a 512-bit FMA as two 256-bit halves (AMD Zen 4): the register tile of a few-row product with 8 or 16
+# x rows ran 1.3-1.4x faster there with 8 accumulators than with 16 (docs/performance.md)
+HALF_WIDTH_AVX512_CPUS = ("znver4",)
 # Qwen3.5-0.8B decode, Intel Xeon with AMX, alternating: the delta rule's time in a step 2.0-2.1 ms with one vector
 # (a state row read as one 64-byte line in eight), 1.5 with four, 1.7-2.2 with eight; prefill 1.04-1.07x faster
 SCAN_VECTORS = 4
@@ -63,8 +65,14 @@ class CpuTarget:
 
     @property
     def hardware_prefetch(self) -> bool:
-        """Whether a one-row decode product whose x row and weight row fit in L1 leaves prefetching to the hardware."""
+        """Whether some one-row decode products leave prefetching to the hardware."""
         return self.mcpu in HARDWARE_PREFETCH_CPUS
+
+    @property
+    def gemv_accumulators(self) -> int:
+        """Accumulators a few-row product's register tile holds at most: half the SIMD registers (AVX-512 has 32,
+        AVX2 16), a quarter where the CPU splits its 512-bit FMAs."""
+        return 8 if self.lanes < 16 or self.mcpu in HALF_WIDTH_AVX512_CPUS else 16
 
     @property
     def lanes(self) -> int:

@@ -155,7 +155,7 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
 
     Tasks of weight rows run across the cores; each step reads `lanes` (one row: 2 x `lanes`) elements of a tile of
     weight rows, widened in registers, and adds their products with the same elements of a group of x rows into
-    accumulators (group rows x weight rows x halves, at most half the SIMD registers), and prefetches (into L2) the
+    accumulators (group rows x weight rows x halves, at most `target.gemv_accumulators`), and prefetches (into L2) the
     same elements of the next tile's rows, which follow in memory (the hardware prefetcher alone leaves a core well
     short of its share of memory bandwidth on 16-bit weights). While the x rows fit in L1, a tile is one weight row,
     so a core reads its weights as one stream, row after row: tiles of 4 rows, four streams at once with fewer loads
@@ -189,7 +189,7 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
     pair = 2 if dot else 1  # depth elements per lane of a step's product
     halves = 2 if m == 1 else 1  # one row: two accumulators per weight row, to hide the FMA latency
     step = halves * lanes * pair
-    budget = 16 if lanes >= 16 else 8  # accumulators: half the SIMD registers (AVX-512 has 32, AVX2 16)
+    budget = target.gemv_accumulators
     if m > GEMV_MAX_ROWS or k % step or (m == 1 and w_buf.dtype not in ("bfloat16", "float16")) or \
             (dot and (w_buf.dtype != "bfloat16" or lanes != 16)):
         return None

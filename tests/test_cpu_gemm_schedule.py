@@ -66,6 +66,18 @@ def test_one_row_products_leave_prefetching_to_the_hardware_only_where_it_suffic
     assert ("llvm.prefetch" in written.script()) == prefetches
 
 
+@pytest.mark.parametrize("mcpu,accumulators,tile", [
+    ("znver4", 8, "(4, 2, 1, 16)"),  # 512-bit FMAs as two halves: 4 x rows by 2 weight rows
+    ("znver5", 16, "(4, 4, 1, 16)"), ("sapphirerapids", 16, "(4, 4, 1, 16)"),
+    ("x86-64-v3", 8, "(4, 2, 1, 8)")])  # AVX2: 16 registers
+def test_cpus_that_split_512_bit_fmas_take_register_tiles_of_half_the_accumulators(mcpu, accumulators, tile):
+    """Eight x rows of 2048 float32 (past L1: depth blocks, a tile of weight rows): the register tile each CPU gets."""
+    target = cpu_target(mcpu)
+    assert target.gemv_accumulators == accumulators
+    kernel = make_kernel("linear", [TensorType((8, 2048), "float32"), TensorType((256, 2048), "bfloat16")], {})
+    assert f"acc = T.alloc_buffer({tile})" in cpu._rows_gemv(kernel.func, target).script()
+
+
 @pytest.mark.parametrize("mcpu", [None, "x86-64-v3", "znver4"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8, 12, 16])  # 6 and up: groups of rows take turns over the weights
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
