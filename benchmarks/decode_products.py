@@ -8,9 +8,9 @@ For each weight shape OUTxIN: the float32 build's product (the weights widened t
 and, on a CPU with AVX512-BF16, the bfloat16 build's (x rounded to bfloat16, the same loop on dot products),
 each as this CPU's build chooses ("built") and with the software prefetches forced on and off. Every call reads a
 different copy of the weight, the copies (about 512 MiB, in huge pages as the runtime keeps weights) far larger than
-the caches, so each call streams from memory as a decode step does. The variants and numpy (a max over as many
-bytes, one share per core, as the decode roofline of benchmarks.cpu_generate reads) take turns in every round; prints each one's median read rate in GB/s and its ratio to
-numpy's, under the CPU it ran on.
+the caches, so each call streams from memory as a decode step does. The variants and numpy (the decode roofline of
+benchmarks.cpu_generate, reading as many bytes) take turns in every round; prints each one's median read rate in
+GB/s and its ratio to numpy's, under the CPU it ran on.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import argparse
 import os
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
 import numpy as np
 import tvm
 
+from benchmarks.cpu_generate import memory_read
 from benchmarks.host import cpu_description
 from compiler.kernels import make_kernel
 from compiler.target import cpu_target
@@ -40,17 +40,18 @@ def variants(out: int, depth: int, rows: int = 1) -> dict:
     """name -> the kernel (a PrimFunc) of each variant for one shape."""
     kernel = make_kernel("linear", [TensorType((rows, depth), "float32"), TensorType((out, depth), "bfloat16")],
                          {}).func
+    targets = {"float32": cpu_target(None)}
+    bf16 = cpu_target(None, "auto").for_weights("bfloat16")
+    if bf16.bf16_products == "avx512bf16":  # on AMX decode rows stay float32; without either, no bf16 build
+        targets["bfloat16"] = bf16
     found = {}
-    for precision in ("float32", "bfloat16"):
-        target = cpu_target(None, "auto").for_weights("bfloat16") if precision == "bfloat16" else cpu_target(None)
-        if target.bf16_products not in (None, "avx512bf16"):
-            continue  # AMX, whose decode rows stay float32
-        if precision == "bfloat16" and target.bf16_products is None:
-            continue  # no bfloat16 products on this CPU
-        built = cpu.schedule(kernel, "linear", {}, target)
-        found[f"{precision} build"] = built
+    for precision, target in targets.items():
+        found[f"{precision} build"] = cpu.schedule(kernel, "linear", {}, target)
         for prefetching in (True, False):
             forced = cpu._rows_gemv(kernel, target, prefetching, DPBF16PS_IR if precision == "bfloat16" else None)
+            if forced is None:
+                raise ValueError(f"{rows} x row(s) of depth {depth} do not fit the weight-streaming product: it takes "
+                                 f"1 to {cpu.GEMV_MAX_ROWS} rows and a depth that is a multiple of 64")
             found[f"{precision}, prefetch {'on' if prefetching else 'off'}"] = forced.with_attr("tirx.noalias", True)
     return found
 
@@ -61,21 +62,24 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1, help="x rows: sequences in the decode step (at most 16)")
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
+    try:
+        shapes = [tuple(int(d) for d in shape.split("x")) for shape in args.shapes.split(",")]
+        kernels = [variants(out, depth, args.rows) for out, depth in shapes]
+    except ValueError as e:
+        parser.error(f"--shapes {args.shapes!r} --rows {args.rows}: {e} (shapes are OUTxIN, comma-separated)")
     use_all_cores()
     threads = int(os.environ["TVM_NUM_THREADS"])
     target = cpu_target(None, "float32").tvm_target()
     memory, rng = HugePageMemory(), np.random.default_rng(0)
-    parts = [np.ones(COPIES_BYTES // 4 // threads, np.float32) for _ in range(threads)]  # numpy's share per core
     print(f"CPU: {cpu_description()}, {threads} threads, {args.rows} x row(s)\n")
     print("| weight [out, in] | kernel | GB/s (median) | / numpy |\n|---|---|---|---|")
-    with ThreadPoolExecutor(threads) as pool:
-        for shape in args.shapes.split(","):
-            out, depth = (int(d) for d in shape.split("x"))
+    with memory_read(COPIES_BYTES, args, [], threads) as (_, read, _):
+        for (out, depth), variant in zip(shapes, kernels):
             w = (rng.standard_normal((out, depth)) * depth ** -0.5).astype(ml_dtypes.bfloat16)
             copies = [memory.copy(w) for _ in range(max(2, COPIES_BYTES // w.nbytes))]
             x = tvm.runtime.tensor(rng.standard_normal((args.rows, depth)).astype(np.float32))
             y = tvm.runtime.empty((args.rows, out), "float32", tvm.cpu())
-            runs = {name: tvm.compile(f, target)["main"] for name, f in variants(out, depth, args.rows).items()}
+            runs = {name: tvm.compile(f, target)["main"] for name, f in variant.items()}
             times = {name: [] for name in [*runs, "numpy"]}
             for _ in range(args.rounds):
                 for name, run in runs.items():
@@ -84,7 +88,7 @@ def main() -> None:
                         run(x, weight, y)
                     times[name].append((time.perf_counter() - start) / len(copies))
                 start = time.perf_counter()
-                list(pool.map(np.max, parts))
+                read()
                 times["numpy"].append((time.perf_counter() - start) * w.nbytes / COPIES_BYTES)
             rate = {name: w.nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
             for name, gbs in rate.items():

@@ -146,4 +146,3 @@ def dpbf16_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.PrimFunc
                         y[tr * LANES + r, T.ramp(task * task_cols + tc * LANES, 1, LANES)] = t0[r, T.ramp(0, 1, LANES)]
 
     return linear_func(func, products)
-

@@ -1,7 +1,6 @@
 """bfloat16 prefill products as AVX512-BF16 dot products (`--matmul-precision bfloat16` on CPUs without AMX), decode
-products along the depth on them, and
-prompt chunks' attention products on them where the CPU issues them at its FMA rate, the choice between the two
-bfloat16 paths, `--matmul-precision auto`, and their errors.
+products along the depth on them, and prompt chunks' attention products on them where the CPU issues them at its
+FMA rate, the choice between the two bfloat16 paths, `--matmul-precision auto`, and their errors.
 
 The kernel runs here on any x86 CPU with `PORTABLE_DOT`: the instruction's arithmetic (each lane adds its odd
 pair's product, then its even pair's, in float32; bfloat16 products are exact in float32) in plain LLVM IR, so

@@ -158,6 +158,17 @@ def test_decode_products_time_each_kernel_with_and_without_prefetches():
         assert DOT in found["bfloat16 build"].script()
 
 
+@pytest.mark.parametrize("argv", [["--shapes", "64x100"], ["--rows", "17", "--shapes", "64x128"],
+                                  ["--shapes", "64by128"]])
+def test_decode_products_refuse_a_shape_the_kernels_do_not_take(argv, monkeypatch, capsys):
+    from benchmarks import decode_products
+
+    monkeypatch.setattr("sys.argv", ["decode_products", *argv])
+    with pytest.raises(SystemExit):
+        decode_products.main()
+    assert "(shapes are OUTxIN, comma-separated)" in capsys.readouterr().err
+
+
 def test_artifact_comparison_ratios_pair_each_round_with_the_first_artifacts_same_round():
     """A ratio to the first artifact is taken within each round (the host's speed drifts between rounds), then the
     median over rounds: here the second engine is twice as fast in every round although the rounds differ 4x."""
