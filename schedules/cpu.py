@@ -177,8 +177,10 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
     On a CPU whose hardware prefetchers suffice (`target.hardware_prefetch`, AMD Zen 4), one x row streams without
     software prefetches where they slow it: the widening form where x and a weight row fit in half of L1 (896 x 896
     from memory: 31.6 GB/s against 28.5 with them; 4864-deep rows 20.0 against 30.4 without), the dot-product form,
-    which reads 128 bytes a step, for rows of at least STREAM_BYTES (2048 x 5632: 42.6 against 34.5 with them;
-    896-deep rows 25.5 against 45.3 without); `prefetching` overrides that choice (benchmarks.decode_products).
+    which reads 128 bytes a step, for rows longer than STREAM_BYTES, a page, which a prefetcher that stops at page
+    ends enters cold row after row (2048 x 5632: 54.9 GB/s against 40.8 with them; 2048-deep rows of one page 36.3
+    against 31.9 without, 896-deep ones 56.1 against 24.2); `prefetching` overrides that choice
+    (benchmarks.decode_products).
     Schedule primitives cannot insert prefetches, so this loop nest is written out; it computes the sums of
     `compiler.kernels.linear` in another order.
     """
@@ -201,7 +203,7 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
     w_bytes = tvm.DataType(w_buf.dtype).bits // 8
     row_bytes = k * w_bytes
     if prefetching is None:
-        hardware_suffices = 2 * k >= STREAM_BYTES if dot else 4 * k + row_bytes <= GEMV_X_BLOCK_BYTES
+        hardware_suffices = 2 * k > STREAM_BYTES if dot else 4 * k + row_bytes <= GEMV_X_BLOCK_BYTES
         prefetching = not (target.hardware_prefetch and m == 1 and hardware_suffices)
     run = 1 if blocked else max(p for p in range(1, -(-STREAM_BYTES // row_bytes) + 1) if n % (cols * p) == 0)
     rows_per_task = tiles * cols * run

@@ -158,8 +158,8 @@ def test_the_instruction_computes_the_decode_rows_as_the_portable_dot_does(rows,
 
 @pytest.mark.parametrize("mcpu,rows,depth,prefetches", [
     ("znver5", 1, 5632, True), ("cooperlake", 1, 896, True),  # software prefetches at every depth
-    ("znver4", 1, 5632, False), ("znver4", 1, 2048, False),  # Zen 4: rows of 4 KiB and more left to the hardware
-    ("znver4", 1, 896, True), ("znver4", 4, 5632, True)])  # ... shorter ones not, nor several x rows
+    ("znver4", 1, 5632, False), ("znver4", 1, 2112, False),  # Zen 4: rows longer than a page left to the hardware
+    ("znver4", 1, 2048, True), ("znver4", 1, 896, True), ("znver4", 4, 5632, True)])  # ... not the rest
 def test_decode_rows_prefetch_in_software_where_the_hardware_falls_short(mcpu, rows, depth, prefetches):
     kernel = cpu.schedule(linear_kernel(rows, depth, 256), "linear", {}, cpu_target(mcpu, "bfloat16"))
     assert DOT in kernel.script()  # the dot-product form
