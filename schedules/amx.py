@@ -18,8 +18,8 @@ from tvm.script import tirx as T
 
 from ir.packing import PAIR_SLOTS, pair_column
 
-from .written import (PAIR_ROWS, bf16_bits, group_product, linear_func, pack_activation_pairs, packed_linear_func,
-                      transpose, widened)
+from .written import (PAIR_ROWS, bf16_bits, group_product, linear_func, nibble_pairs, nibble_table,
+                      pack_activation_pairs, packed_linear_func, transpose, widened)
 
 TILE = PAIR_ROWS  # rows per tile (16); a tile row holds 64 bytes: 32 bfloat16 or 16 float32
 DEPTH = 32  # bfloat16 depth per dot product
@@ -189,16 +189,10 @@ def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
             acc = T.alloc_buffer((2, 2, TILE, TILE), "float32", scope="local")
             yacc = T.alloc_buffer((m, columns), "float32")
             tile_config(cfg)
-            for i in range(2 * TILE):
-                table[i] = bf16_bits(T.Cast("float32", i))  # exact: the bfloat16 of each 4-bit value
+            nibble_table(table)
             for d, i in T.grid(2 * pairs // DEPTH, TILE):
                 for n in T.unroll(PAIR_SLOTS):
-                    bt[d, n, i, T.ramp(0, 1, TILE)] = T.reinterpret(f"uint32x{TILE}", T.call_llvm_pure_intrin(
-                        f"uint16x{2 * TILE}", "llvm.x86.avx512.permvar.hi.512", table[T.ramp(0, 1, 2 * TILE)],
-                        T.reinterpret(f"uint16x{2 * TILE}", T.bitwise_and(T.shift_right(
-                            T.reinterpret(f"uint32x{TILE}", qw[task, d * TILE + i, T.ramp(0, 1, TILE)]),
-                            T.broadcast(T.uint32(4) * T.Cast("uint32", n), TILE)),
-                            T.broadcast(T.uint32(0x000F000F), TILE)))))
+                    bt[d, n, i, T.ramp(0, 1, TILE)] = nibble_pairs(table, qw[task, d * TILE + i, T.ramp(0, 1, TILE)], n)
             for r, c in T.grid(m, columns):
                 yacc[r, c] = T.float32(0)
             for half, rows, g in T.grid(PAIR_SLOTS // 2, m // BLOCK, groups):

@@ -30,7 +30,10 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .written import PAIR_ROWS, linear_func, pack_activation_pairs, transpose
+from ir.packing import PAIR_SLOTS, pair_column
+
+from .written import (PAIR_ROWS, group_product, linear_func, nibble_pairs, nibble_table, pack_activation_pairs,
+                      packed_linear_func, transpose)
 
 LANES = PAIR_ROWS  # float32 lanes of a zmm register (16): token rows per vector
 DEPTH_BLOCK_PAIRS = 512  # depth pairs per pass (1024 depth): a tile's activations and a task's weights stay in L2
@@ -52,14 +55,47 @@ define linkonce_odr <16 x float> @{DOT}(<16 x float> %acc, <16 x i32> %a, <16 x 
 """
 
 
+def _register_tile(vectors: int) -> tuple[int, int]:
+    """(token vectors, weight rows) of a register tile over `vectors` vectors of token rows: at most ACCUMULATORS
+    sums, the fewest loads per dot product."""
+    shapes = [(v, c) for v in (4, 2, 1) for c in (8, 4, 2) if vectors % v == 0 and v * c <= ACCUMULATORS]
+    return min(shapes, key=lambda vc: ((vc[0] + vc[1]) / (vc[0] * vc[1]), -vc[0]))
+
+
 def _tiles(m: int, n: int) -> tuple[int, int, int] | None:
     """(token vectors, weight rows) per register tile and columns per task, or None when m or n do not divide."""
     if m % LANES or n % LANES:
         return None
-    shapes = [(v, c) for v in (4, 2, 1) for c in (8, 4, 2) if (m // LANES) % v == 0 and v * c <= ACCUMULATORS]
-    vecs, cols = min(shapes, key=lambda vc: ((vc[0] + vc[1]) / (vc[0] * vc[1]), -vc[0]))  # fewest loads per dot
+    vecs, cols = _register_tile(m // LANES)
     task = next((t for t in (64, 32) if n % t == 0 and n // t >= MIN_TASKS), LANES)
     return vecs, cols, task
+
+
+def _dot_tile(weights: int, vecs: int):
+    """A macro adding one depth pair's dot products into sums acc[weights, vecs, LANES]: token vector v's pair is
+    xw[tv * vecs + v, pair] (LANES words), weight row c's the word wf[w_at + c * w_step], broadcast."""
+    @T.macro
+    def dots(acc, xw, tv, pair, wf, w_at, w_step):
+        for c in T.unroll(weights):
+            for v in T.unroll(vecs):
+                acc[c, v, T.ramp(0, 1, LANES)] = T.call_extern(
+                    "float32x16", DOT, acc[c, v, T.ramp(0, 1, LANES)], xw[tv * vecs + v, pair, T.ramp(0, 1, LANES)],
+                    T.broadcast(wf[w_at + c * w_step], LANES))
+
+    return dots
+
+
+@T.macro
+def _to_y(part, t0, t1, y, first, rows, col0, cols):
+    """y[:rows, col0:col0 + cols] = part[:cols, :rows] (a task's sums, a column's token rows side by side) plus each
+    column's first value, in 16 x 16 blocks turned in registers (t0, t1)."""
+    for tr, tc in T.grid(rows // LANES, cols // LANES):
+        for c in T.unroll(LANES):
+            t0[c, T.ramp(0, 1, LANES)] = part[tc * LANES + c, T.ramp(tr * LANES, 1, LANES)]
+        transpose(t0, t1)
+        for r in T.unroll(LANES):
+            for lane in T.vectorized(LANES):
+                y[tr * LANES + r, col0 + tc * LANES + lane] = t0[r, lane] + first(col0 + tc * LANES + lane)
 
 
 def dpbf16_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.PrimFunc | None:
@@ -93,19 +129,13 @@ def dpbf16_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.PrimFunc
         return task * task_cols + local(ct, h)
 
     @T.macro
-    def start(acc, part, first, kb, task, tv, ct, h):
+    def start(acc, part, kb, tv, ct, h):
         for c, v in T.grid(half, vecs):
             for lane in T.vectorized(LANES):
-                acc[c, v, lane] = T.if_then_else(kb == 0, first(col(task, ct, h) + c),
+                acc[c, v, lane] = T.if_then_else(kb == 0, T.float32(0),
                                                  part[local(ct, h) + c, row(tv) + v * LANES + lane])
 
-    @T.macro
-    def dots(acc, xw, ww, tv, col, pair):
-        for c in T.unroll(half):
-            for v in T.unroll(vecs):
-                acc[c, v, T.ramp(0, 1, LANES)] = T.call_extern(
-                    "float32x16", DOT, acc[c, v, T.ramp(0, 1, LANES)], xw[tv * vecs + v, pair, T.ramp(0, 1, LANES)],
-                    T.broadcast(ww[col + c, pair], LANES))
+    dots = _dot_tile(half, vecs)
 
     @T.macro
     def finish(acc, part, tv, ct, h):
@@ -118,7 +148,7 @@ def dpbf16_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.PrimFunc
         xp = T.alloc_buffer((m // LANES, pairs, LANES, 2), "uint16")
         pack_activation_pairs(x, xp)
         xw = T.decl_buffer((m // LANES, pairs, LANES), "int32", data=xp.data)  # a depth pair of 16 rows: 16 words
-        ww = T.decl_buffer((n, pairs), "int32", data=w.data)  # a depth pair of a weight row: one word
+        ww = T.decl_buffer((n * pairs,), "int32", data=w.data)  # a depth pair of a weight row: one word
         with T.attr(0, "pragma_import_llvm", dot_ir):
             for task in T.parallel(n // task_cols):
                 # the tile's sums in two buffers of half its weight rows: each under 1 KiB, so on the stack (TVM
@@ -131,18 +161,99 @@ def dpbf16_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.PrimFunc
                 t0 = T.alloc_buffer((LANES, LANES), "float32")  # a block being transposed: in registers
                 t1 = T.alloc_buffer((LANES, LANES), "float32")
                 for kb, tv, ct in T.grid(pairs // block, m // LANES // vecs, task_cols // cols):
-                    start(acc0, part, first, kb, task, tv, ct, 0)
-                    start(acc1, part, first, kb, task, tv, ct, 1)
+                    start(acc0, part, kb, tv, ct, 0)
+                    start(acc1, part, kb, tv, ct, 1)
                     for d in range(block):
-                        dots(acc0, xw, ww, tv, col(task, ct, 0), kb * block + d)
-                        dots(acc1, xw, ww, tv, col(task, ct, 1), kb * block + d)
+                        dots(acc0, xw, tv, kb * block + d, ww, col(task, ct, 0) * pairs + kb * block + d, pairs)
+                        dots(acc1, xw, tv, kb * block + d, ww, col(task, ct, 1) * pairs + kb * block + d, pairs)
                     finish(acc0, part, tv, ct, 0)
                     finish(acc1, part, tv, ct, 1)
-                for tr, tc in T.grid(m // LANES, task_cols // LANES):  # to y in 16 x 16 blocks turned in registers
-                    for c in T.unroll(LANES):
-                        t0[c, T.ramp(0, 1, LANES)] = part[tc * LANES + c, T.ramp(tr * LANES, 1, LANES)]
-                    transpose(t0, t1)
-                    for r in T.unroll(LANES):
-                        y[tr * LANES + r, T.ramp(task * task_cols + tc * LANES, 1, LANES)] = t0[r, T.ramp(0, 1, LANES)]
+                _to_y(part, t0, t1, y, first, m, task * task_cols, task_cols)
 
     return linear_func(func, products)
+
+
+def dpbf16_awq_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.PrimFunc | None:
+    """x @ W.T (+ bias) for float32 x and a weight in the pairs layout (ir.packing: AWQ's awq_int4_pairs or an
+    affine kind's) as AVX512-BF16 dot products, or None when the shape does not fit (16-word column tiles, token
+    rows a multiple of 16).
+
+    The numerics of `schedules.amx.amx_awq_gemm`: the 4-bit values enter as their exact bfloat16, a group's sums
+    C = sum of x * q are scaled once the group ends, s * (C - z * sum of x over the group), so only the activations
+    are rounded. A task owns a column tile (64 columns); group by group it unpacks the tile's words into pairs of
+    bfloat16 (`nibble_pairs`: 16 KiB for a group of 128, in L1), then every register tile of token rows passes over
+    them as in `dpbf16_gemm`, the weight pair broadcast to 16 token rows. A weight of planes sums each group's
+    planes (each times the same group of x)."""
+    x_buf, q_buf, s_buf = func.params[0], func.params[1], func.params[3]
+    m, k = (int(d) for d in x_buf.shape)
+    tiles, pairs, words = (int(d) for d in q_buf.shape)
+    groups = int(s_buf.shape[1])  # packed groups: planes (ir.packing) of each group of x
+    if words != LANES or m % LANES or pairs % groups or x_buf.dtype != "float32":
+        return None
+    group_pairs, planes, columns = pairs // groups, 2 * pairs // k, PAIR_SLOTS * words
+    vecs, cols = _register_tile(m // LANES)
+    half = cols // 2
+    dots = _dot_tile(half, vecs)
+
+    def column(ct, h, c):
+        """Weight column c of half h of register tile ct, in the order the unpacked words hold them (nibble-major)."""
+        return ct * cols + h * half + c
+
+    @T.macro
+    def fold(acc, part, qz, sc, xsum, task, g, tv, ct, h):
+        """A group's sums into the task's: scaled, less the zero point times the group's x (written.group_product)."""
+        for c, v in T.grid(half, vecs):
+            for lane in T.vectorized(LANES):
+                part[pair_column(0, column(ct, h, c) // words, column(ct, h, c) % words, words),
+                     (tv * vecs + v) * LANES + lane] = part[
+                    pair_column(0, column(ct, h, c) // words, column(ct, h, c) % words, words),
+                    (tv * vecs + v) * LANES + lane] + group_product(
+                    qz, sc, task, g, column(ct, h, c) // words, column(ct, h, c) % words, words, acc[c, v, lane],
+                    xsum[tv * vecs + v, g // planes, lane])
+
+    @T.macro
+    def products(x, qw, qz, sc, ys, first):
+        xp = T.alloc_buffer((m // LANES, k // 2, LANES, 2), "uint16")
+        pack_activation_pairs(x, xp)
+        xw = T.decl_buffer((m // LANES, k // 2, LANES), "int32", data=xp.data)  # a depth pair of 16 rows: 16 words
+        xsum = T.alloc_buffer((m // LANES, groups // planes, LANES), "float32")  # the rounded x's sum over a group
+        for tv in T.parallel(m // LANES):
+            for g in range(groups // planes):
+                for lane in T.vectorized(LANES):
+                    xsum[tv, g, lane] = T.float32(0)
+                for p in range(group_pairs):
+                    for lane in T.vectorized(LANES):
+                        xsum[tv, g, lane] = xsum[tv, g, lane] + (
+                            T.reinterpret("float32", T.shift_left(xw[tv, g * group_pairs + p, lane], 16))
+                            + T.reinterpret("float32", T.bitwise_and(xw[tv, g * group_pairs + p, lane], -65536)))
+        with T.attr(0, "pragma_import_llvm", dot_ir):
+            for task in T.parallel(tiles):
+                table = T.alloc_buffer((2 * LANES,), "uint16")
+                unpacked = T.alloc_buffer((group_pairs, columns), "uint32")  # a group's pairs of the tile's columns
+                uw = T.decl_buffer((group_pairs * columns,), "int32", data=unpacked.data)
+                acc0 = T.alloc_buffer((half, vecs, LANES), "float32")  # in registers, as in dpbf16_gemm
+                acc1 = T.alloc_buffer((half, vecs, LANES), "float32")
+                part = T.alloc_buffer((columns, m), "float32")  # the task's sums, a column's token rows side by side
+                t0 = T.alloc_buffer((LANES, LANES), "float32")
+                t1 = T.alloc_buffer((LANES, LANES), "float32")
+                nibble_table(table)
+                for j, r in T.grid(columns, m):
+                    part[j, r] = T.float32(0)
+                for g in range(groups):
+                    for p in range(group_pairs):
+                        for n in T.unroll(PAIR_SLOTS):
+                            unpacked[p, T.ramp(n * words, 1, words)] = nibble_pairs(
+                                table, qw[task, g * group_pairs + p, T.ramp(0, 1, words)], n)
+                    for tv, ct in T.grid(m // LANES // vecs, columns // cols):
+                        for c, v in T.grid(half, vecs):
+                            for lane in T.vectorized(LANES):
+                                acc0[c, v, lane] = T.float32(0)
+                                acc1[c, v, lane] = T.float32(0)
+                        for p in range(group_pairs):
+                            dots(acc0, xw, tv, g // planes * group_pairs + p, uw, p * columns + column(ct, 0, 0), 1)
+                            dots(acc1, xw, tv, g // planes * group_pairs + p, uw, p * columns + column(ct, 1, 0), 1)
+                        fold(acc0, part, qz, sc, xsum, task, g, tv, ct, 0)
+                        fold(acc1, part, qz, sc, xsum, task, g, tv, ct, 1)
+                _to_y(part, t0, t1, ys, first, m, task * columns, columns)
+
+    return packed_linear_func(func, products)

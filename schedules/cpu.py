@@ -16,7 +16,7 @@ from tvm.script import tirx as T
 
 from . import stages
 from .amx import amx_awq_gemm, amx_gemm
-from .avx512_bf16 import DOT, DPBF16PS_IR, dpbf16_gemm
+from .avx512_bf16 import DOT, DPBF16PS_IR, dpbf16_awq_gemm, dpbf16_gemm
 from .cpu_attention import paged_attention
 from .cpu_awq import awq_linear
 from .cpu_conv import causal_conv
@@ -508,6 +508,7 @@ SCHEDULES = {"linear": _linear, "rms_norm": _norm, "add_rms_norm": _norm, "layer
 
 
 BF16_GEMMS = {"amx": amx_gemm, "avx512bf16": dpbf16_gemm}
+BF16_AWQ_GEMMS = {"amx": amx_awq_gemm, "avx512bf16": dpbf16_awq_gemm}
 
 
 def _written(func: tirx.PrimFunc, kind: str, target, attrs: dict | None) -> tirx.PrimFunc | None:
@@ -520,7 +521,7 @@ def _written(func: tirx.PrimFunc, kind: str, target, attrs: dict | None) -> tirx
             return None  # the GPU layout: the definition
         if few:
             return awq_linear(func, lanes, vnni)
-        return amx_awq_gemm(func) if bf16_products == "amx" else None
+        return BF16_AWQ_GEMMS[bf16_products](func) if bf16_products else None
     if kind == "linear":
         rows = int(func.params[0].shape[0])
         gemm = BF16_GEMMS[bf16_products](func) if bf16_products and rows >= BF16_MIN_ROWS else None

@@ -107,6 +107,24 @@ def pack_activation_pairs(x, xp):
                 xp[rb, d, r, p] = bf16_bits(x[rb * PAIR_ROWS + r, d * 2 + p])
 
 
+@T.macro
+def nibble_table(table):
+    """table[i] = the bits of the bfloat16 of i, exact, for the 2 x PAIR_ROWS indices one vpermw looks up."""
+    for i in range(2 * PAIR_ROWS):
+        table[i] = bf16_bits(T.Cast("float32", i))
+
+
+def nibble_pairs(table, words, n):
+    """Nibble n of each of PAIR_ROWS words of the pairs layout (ir.packing: its two 4-bit values of one column, of
+    depth 2p and 2p + 1) as a pair of exact bfloat16 per word: one vpermw of `nibble_table` (a uint32 vector)."""
+    lanes = PAIR_ROWS
+    return T.reinterpret(f"uint32x{lanes}", T.call_llvm_pure_intrin(
+        f"uint16x{2 * lanes}", "llvm.x86.avx512.permvar.hi.512", table[T.ramp(0, 1, 2 * lanes)],
+        T.reinterpret(f"uint16x{2 * lanes}", T.bitwise_and(T.shift_right(
+            T.reinterpret(f"uint32x{lanes}", words), T.broadcast(T.uint32(4) * T.Cast("uint32", n), lanes)),
+            T.broadcast(T.uint32(0x000F000F), lanes)))))
+
+
 def group_product(zeros, scales, task, g, n, word, tile: int, sum_xq, sum_x):
     """A group's sum of x * W[column] for the column of word `word` in nibble n of column tile `task` (the pairs
     layout, ir.packing), from x's sum with the 4-bit values (sum_xq) and x's own sum (sum_x): s * (sum_xq - z *

@@ -10,20 +10,19 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tvm
-from bf16_cases import assert_bf16_prefill_tracks, assert_chunk_rounded_and_rows_float32, chunk_after_history
-from numpy_reference import affine_dequantise, dequantise, planes_summed
+from bf16_cases import (assert_bf16_prefill_tracks, assert_chunk_rounded_and_rows_float32, awq_product_case,
+                        chunk_after_history)
 
 from compiler.build import build
 from compiler.kernels import make_kernel
 from compiler.target import cpu_target
 from ir import TensorType
 from ir.packing import Packing
-from models.tiny import awq_quantize, write_tiny_checkpoint
+from models.tiny import write_tiny_checkpoint
 from runtime import CompiledModel
 from ir.contract import ArtifactError
 from ir.cpu_features import host_cpu_flags
 from runtime.cpu import enable_amx
-from runtime.weights import TRANSFORMS
 from schedules import cpu
 from schedules.amx import amx_awq_gemm, amx_gemm
 from schedules.cpu_attention import paged_attention
@@ -95,24 +94,12 @@ def test_amx_awq_products_are_exact_in_the_weights(rows, depth, cols, group, bia
     """AWQ prefill on AMX tiles: the 4-bit values enter as their exact bfloat16, zero points (or an affine kind's
     offsets) and scales are applied per group in float32, so only the activations are rounded; a weight of planes
     sums each group's planes."""
-    packing = Packing(kind, group, planes)
-    weight = (RNG.standard_normal((cols, planes * depth)) / 16).astype(np.float32)
-    qweight, qzeros, scales = awq_quantize(weight, group)
-    stored = [qweight, (RNG.standard_normal(scales.shape) / 8).astype(np.float16) if packing.affine else qzeros, scales]
-    x = RNG.standard_normal((rows, depth)).astype(np.float32)
-    x[:, :group] *= 3e2  # one group far larger than the rest: a per-group sum of x
-    b = RNG.standard_normal(cols).astype(bias) if bias else None
-    types = [TensorType((rows, depth), "float32"), TensorType((cols, depth), "float16", packing)]
-    kernel = make_kernel("linear", types + ([TensorType((cols,), bias)] if bias else []), {})
+    kernel, inputs, want = awq_product_case(RNG, rows, depth, cols, group, bias, kind, planes)
     target = cpu_target(matmul_precision="bfloat16")
-    lib = tvm.compile(cpu.schedule(kernel.func, "linear", {}, target), target.tvm_target())
+    lib = tvm.compile(cpu.schedule(kernel, "linear", {}, target), target.tvm_target())
     enable_amx()
     out = tvm.runtime.empty((rows, cols), "float32", tvm.cpu())
-    parts = TRANSFORMS[packing.transform](stored)
-    lib["main"](*[tvm.runtime.tensor(a) for a in [x, *parts] + ([b] if bias else [])], out)
-    weight = planes_summed((affine_dequantise if packing.affine else dequantise)(*stored), group, planes)
-    want = x.astype(ml_dtypes.bfloat16).astype(np.float64) @ weight.T.astype(np.float64)
-    want += b.astype(np.float64) if bias else 0
+    lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)
     assert "tdpbf16ps" in lib.mod.inspect_source("asm")
     np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=2e-6 * float(np.abs(want).max()))
 

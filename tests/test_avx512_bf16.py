@@ -16,7 +16,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tvm
-from bf16_cases import assert_bf16_prefill_tracks, assert_chunk_rounded_and_rows_float32, chunk_after_history
+from bf16_cases import (assert_bf16_prefill_tracks, assert_chunk_rounded_and_rows_float32, awq_product_case,
+                        chunk_after_history)
 
 from compiler.build import BuildError, build, make_target
 from compiler.kernels import make_kernel
@@ -27,7 +28,7 @@ from ir.cpu_features import host_cpu_flags
 from models.tiny import write_tiny_checkpoint
 from runtime import CompiledModel
 from schedules import cpu
-from schedules.avx512_bf16 import DOT, DPBF16PS_IR, dpbf16_gemm
+from schedules.avx512_bf16 import DOT, DPBF16PS_IR, dpbf16_awq_gemm, dpbf16_gemm
 from schedules.cpu_attention import paged_attention
 
 HAS_AVX512_BF16 = {"avx512f", "avx512_bf16"} <= host_cpu_flags()
@@ -97,6 +98,33 @@ def test_kernel_matches_numpy_on_rounded_activations(rows, depth, cols, bias):
     np.testing.assert_allclose(got, want, rtol=0, atol=5e-6 * float(np.abs(want).max()))  # float32 sums of 4106
     exact = reference(inputs, rounded=False)
     assert np.abs(got - exact).max() > 1e-4 * float(np.abs(exact).max())  # the activations really were rounded
+
+
+@pytest.mark.parametrize("rows,depth,cols,group", [
+    (32, 64, 64, 32),  # 2 token vectors x 8 columns a register tile, one column tile
+    (64, 256, 192, 64),  # 4 x 4 tiles, three column tiles (tasks)
+    (128, 512, 128, 128),  # 8 token vectors, groups of 128 (64 pairs unpacked at a time)
+    (48, 128, 64, 16),  # 3 token vectors, one a tile; groups of 16
+])
+@pytest.mark.parametrize("bias", [None, "float16"])
+@pytest.mark.parametrize("kind,planes", [("awq_int4_pairs", 1), ("affine_int4_pairs", 1), ("awq_int4_pairs", 2)])
+def test_awq_products_are_exact_in_the_weights(rows, depth, cols, group, bias, kind, planes):
+    """AWQ prefill on dot products: the 4-bit values enter as their exact bfloat16, zero points (or an affine
+    kind's offsets) and scales are applied per group in float32, so only the activations are rounded; a weight of
+    planes sums each group's planes."""
+    kernel, inputs, want = awq_product_case(RNG, rows, depth, cols, group, bias, kind, planes)
+    got = run(dpbf16_awq_gemm(kernel, PORTABLE_DOT), inputs, rows, cols)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * float(np.abs(want).max()))
+
+
+@needs_avx512_bf16
+def test_awq_products_on_the_instruction_as_on_the_portable_dot():
+    kernel, inputs, want = awq_product_case(RNG, 64, 256, 192, 64, "float16", "awq_int4_pairs", 1)
+    lib = tvm.compile(dpbf16_awq_gemm(kernel), HOST)
+    assert "vdpbf16ps" in lib.mod.inspect_source("asm")
+    got = tvm.runtime.empty((64, 192), "float32", tvm.cpu())
+    lib["main"](*[tvm.runtime.tensor(a) for a in inputs], got)
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=2e-6 * float(np.abs(want).max()))
 
 
 def test_activations_round_to_nearest_bfloat16_ties_to_even():
@@ -232,6 +260,7 @@ def test_shapes_that_do_not_fit_keep_float32_products():
 
 @pytest.mark.parametrize("mcpu", ["znver4", "znver5", "cooperlake"])
 def test_cpus_with_avx512_bf16_and_no_amx_compile_prefill_and_decode_products_to_vdpbf16ps(mcpu):
+    """Prefill products of bfloat16 and of AWQ weights, and decode products of bfloat16 weights."""
     target = cpu_target(mcpu, "bfloat16")
     assert target.bf16_products == "avx512bf16" and "avx512bf16" in target.features
     assert "amx-tile" not in target.features
@@ -243,6 +272,9 @@ def test_cpus_with_avx512_bf16_and_no_amx_compile_prefill_and_decode_products_to
     asm = tvm.compile(cpu.schedule(linear_kernel(8, 896, 128), "linear", {}, target),
                       target.tvm_target()).mod.inspect_source("asm")
     assert asm.count("vdpbf16ps") >= 8  # eight sequences' decode: one dot product per row a step
+    awq, _, _ = awq_product_case(RNG, 64, 256, 128, 128, None, "awq_int4_pairs", 1)
+    asm = tvm.compile(cpu.schedule(awq, "linear", {}, target), target.tvm_target()).mod.inspect_source("asm")
+    assert asm.count("vdpbf16ps") >= 16 and "vpermw" in asm  # AWQ prefill: its values unpacked to bfloat16
 
 
 def test_the_path_each_cpu_gets_and_what_auto_resolves_to():

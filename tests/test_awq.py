@@ -29,6 +29,7 @@ from models.tiny import awq_quantize, tiny_config, write_tiny_checkpoint
 from runtime import (CompiledModel, GreedyGenerationConfig, load_huggingface_awq_qwen2_pipeline,
                      load_huggingface_llama_pipeline, load_huggingface_qwen2_pipeline, load_pipeline)
 from runtime.weights import TRANSFORMS, pair_scales, pair_words
+from schedules import cpu
 from schedules.cpu import schedule
 
 
@@ -311,19 +312,26 @@ def test_checkpoint_without_packed_tensors_is_a_clear_error(tmp_path):
         models.load_checkpoint(model_dir)
 
 
-@pytest.mark.skipif(not {"amx_tile", "amx_bf16"} <= host_cpu_flags(), reason="this CPU has no AMX-BF16 tiles")
-def test_amx_prefill_of_an_awq_model_tracks_transformers(tmp_path):
-    """--matmul-precision bfloat16 on an AWQ checkpoint: prefill products on AMX tiles (schedules.amx
-    amx_awq_gemm), off the float32 model by the activations' bfloat16 rounding and no more; decode stays float32."""
+@pytest.mark.parametrize("path,flags", [("amx", {"amx_tile", "amx_bf16"}), ("avx512bf16", {"avx512f", "avx512_bf16"})])
+def test_bf16_prefill_of_an_awq_model_tracks_transformers(tmp_path, monkeypatch, path, flags):
+    """--matmul-precision bfloat16 on an AWQ checkpoint: prefill products on AMX tiles (schedules.amx amx_awq_gemm)
+    or on AVX512-BF16 dot products (schedules.avx512_bf16 dpbf16_awq_gemm: an AMX Xeon builds for Zen 4 to run
+    them), off the float32 model by the activations' bfloat16 rounding and no more; decode stays float32."""
+    if not flags <= host_cpu_flags():
+        pytest.skip(f"this CPU has no {' or '.join(sorted(flags))}")
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     model_dir = write_tiny_checkpoint(tmp_path / "model", arch="qwen2", dtype="float16", awq_group_size=32, seed=4)
-    artifact = build(model_dir, out=tmp_path / "amx", prefill_buckets=(32,), max_context=64,
+    mcpu = None if cpu_target(None, "bfloat16").bf16_products == path else "znver4"
+    written = []  # the AWQ products the build wrote for the path (the 128-wide gate and up projections)
+    gemm = cpu.BF16_AWQ_GEMMS[path]
+    monkeypatch.setitem(cpu.BF16_AWQ_GEMMS, path, lambda func: written.append(gemm(func)) or written[-1])
+    artifact = build(model_dir, out=tmp_path / path, prefill_buckets=(32,), max_context=64, mcpu=mcpu,
                      matmul_precision="bfloat16", quiet=True).path
     ours = CompiledModel(model_dir, artifact)
-    assert ours.manifest.target.bf16_products == "amx"
+    assert ours.manifest.target.bf16_products == path and any(w is not None for w in written)
     hf = transformers.AutoModelForCausalLM.from_pretrained(dequantised_checkpoint(model_dir, tmp_path / "plain"),
                                                            dtype=torch.float32).eval()
-    from test_amx import assert_bf16_prefill_tracks
+    from bf16_cases import assert_bf16_prefill_tracks
     prompt = [int(t) for t in np.random.default_rng(9).integers(0, ours.config.vocab_size, 32)]
     assert_bf16_prefill_tracks(ours, hf, prompt)
