@@ -179,7 +179,7 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
     from memory: 31.6 GB/s against 28.5 with them; 4864-deep rows 20.0 against 30.4 without), the dot-product form,
     which reads 128 bytes a step, for rows longer than STREAM_BYTES, a page, which a prefetcher that stops at page
     ends enters cold row after row (2048 x 5632: 54.9 GB/s against 40.8 with them; 2048-deep rows of one page 36.3
-    against 31.9 without, 896-deep ones 56.1 against 24.2); `prefetching` overrides that choice
+    against 31.9 without, 896-deep ones 56.1 against 29.3); `prefetching` overrides that choice
     (benchmarks.decode_products).
     Schedule primitives cannot insert prefetches, so this loop nest is written out; it computes the sums of
     `compiler.kernels.linear` in another order.
