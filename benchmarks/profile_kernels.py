@@ -2,6 +2,7 @@
 
     python -m benchmarks.profile_kernels --shape qwen2.5-0.5b --dtype bfloat16 --tokens 1 --work DIR
     python -m benchmarks.profile_kernels --model-dir MODEL_DIR --tokens 64
+    python -m benchmarks.profile_kernels --shape tinyllama-1.1b --dtype awq --tokens 128 --work DIR
     python -m benchmarks.profile_kernels --tokens 128 --matmul-precision bfloat16 --mcpu cooperlake --work DIR
 
 Kernels run alone, repeatedly, on random inputs: small weight matrices stay in cache, so these
@@ -19,7 +20,8 @@ import numpy as np
 import tvm
 
 import models
-from benchmarks.checkpoints import SHAPES, real_shape_checkpoint
+from benchmarks.checkpoints import SHAPES, awq_checkpoint_of, real_shape_checkpoint
+from benchmarks.cpu_generate import AWQ_GROUP
 from compiler.kernels import make_kernel
 from compiler.lower import op_signature
 from compiler.options import MATMUL_PRECISIONS
@@ -46,7 +48,8 @@ def main() -> None:
     """Build each distinct kernel of the step, time it, print a table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "awq"], default="bfloat16",
+                        help="the random --shape checkpoint's (awq: its float16 one quantised by our AWQ packer)")
     parser.add_argument("--tokens", type=int, default=1, help="1: a decode step; more: a prefill chunk")
     parser.add_argument("--work", help="where the random checkpoint is kept")
     parser.add_argument("--model-dir", help="profile this model directory instead of a random --shape checkpoint")
@@ -59,10 +62,14 @@ def main() -> None:
     if (args.work is None) == (args.model_dir is None):
         parser.error("give --work (with --shape) or --model-dir")
     use_all_cores()
-    target = cpu_target(args.mcpu, args.matmul_precision).for_weights(args.dtype)
+    awq = args.dtype == "awq"
+    target = cpu_target(args.mcpu, args.matmul_precision).for_weights("float16" if awq else args.dtype)
     if target.bf16_products == "amx":
         enable_amx()
-    model_dir = args.model_dir or real_shape_checkpoint(args.work, args.shape, args.dtype)
+    model_dir = args.model_dir
+    if model_dir is None:
+        model_dir = real_shape_checkpoint(args.work, args.shape, "float16" if awq else args.dtype)
+        model_dir = awq_checkpoint_of(model_dir, AWQ_GROUP) if awq else model_dir
     program = packed_as(models.load_checkpoint_program(model_dir)[3], CPU_PACKINGS)  # as a CPU build stores it
     dev, rng = tvm.cpu(), np.random.default_rng(0)
     entry, arena = "step", Buckets((args.tokens,), (1,), CONTEXT_TOKENS, CONTEXT_TOKENS // 16)

@@ -129,6 +129,22 @@ def test_the_kernel_profiler_times_every_kernel_of_a_packed_model(tmp_path, monk
     assert "awq_int4_pairs(g32)" in table and "total (step, 1 token(s)" in table
 
 
+def test_the_kernel_profiler_quantises_a_shape_for_awq_and_refuses_other_dtypes(tmp_path, monkeypatch, capsys):
+    from benchmarks import checkpoints, profile_kernels
+
+    monkeypatch.setitem(checkpoints.SHAPES, "tiny", dict(arch="qwen2", hidden_size=128, num_hidden_layers=1,
+                                                         num_attention_heads=4, num_key_value_heads=2,
+                                                         intermediate_size=256, vocab_size=256))
+    monkeypatch.setattr("sys.argv", ["profile_kernels", "--shape", "tiny", "--dtype", "awq", "--work", str(tmp_path)])
+    profile_kernels.main()
+    assert "awq_int4_pairs(g128)" in capsys.readouterr().out
+    assert (tmp_path / "tiny-float16-awq-g128" / "config.json").is_file()
+    monkeypatch.setattr("sys.argv", ["profile_kernels", "--shape", "tiny", "--dtype", "int8", "--work", str(tmp_path)])
+    with pytest.raises(SystemExit) as stopped:
+        profile_kernels.main()
+    assert stopped.value.code == 2 and "argument --dtype: invalid choice: 'int8'" in capsys.readouterr().err
+
+
 def test_the_decode_roofline_is_an_engine_that_takes_turns_with_the_others(monkeypatch):
     """The roofline is measured in the same rounds and slices as the engines, not once before them."""
     monkeypatch.setattr(cpu_generate, "PAUSE_S", 0)
