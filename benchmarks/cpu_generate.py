@@ -14,9 +14,8 @@ by half within seconds, hits every engine alike; a short pause after each engine
 spinning. The decode roofline takes its turns too: an engine whose step reads a token's weight bytes from memory.
 
 - ours: the compiled artifact through CompiledModel; for bfloat16 and AWQ also one built with --matmul-precision
-  bfloat16 (prefill products on AMX tiles, else prefill and decode products on AVX512-BF16 dot products, AWQ
-  weights' prefill products only: their decode stays on integer pairs; a row with the reason where this CPU has
-  neither);
+  bfloat16 (prefill products on AMX tiles, else prefill and decode products on AVX512-BF16 dot products; a row
+  with the reason where this CPU has neither);
   `--mcpu cooperlake` on an AMX Xeon builds for a CPU without AMX, so that the AVX512-BF16 path is timed there;
 - transformers (torch CPU, the checkpoint's dtype);
 - llama.cpp through llama-cpp-python, on the checkpoint converted to GGUF by the converter from
@@ -99,7 +98,7 @@ def ours(model_dir: Path, args, prompt: list[int], threads: int, matmul_precisio
                      matmul_precision=matmul_precision, quiet=True).path
     model = CompiledModel(model_dir, artifact)
     path = model.manifest.target.bf16_products  # the path the build chose for this CPU
-    steps = "prefill and decode" if path == "avx512bf16" and model.config.quantization is None else "prefill"
+    steps = "prefill and decode" if path == "avx512bf16" else "prefill"
     label = "ours (llvm artifact" + (f", bf16 {steps} products on {BF16_PATH_NAMES[path]})" if path else ")")
     yield label, *runtime_steps(model, prompt, context(args))
 

@@ -520,7 +520,7 @@ def _written(func: tirx.PrimFunc, kind: str, target, attrs: dict | None) -> tirx
         if not paired_weight(func):
             return None  # the GPU layout: the definition
         if few:
-            return awq_linear(func, lanes, vnni)
+            return awq_linear(func, lanes, vnni, DPBF16PS_IR if bf16_products == "avx512bf16" else None)
         return BF16_AWQ_GEMMS[bf16_products](func) if bf16_products else None
     if kind == "linear":
         rows = int(func.params[0].shape[0])

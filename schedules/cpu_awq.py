@@ -23,6 +23,14 @@ even number (one row: two contiguous streams of words a core, 1.04x faster from 
 words, `tile` words a row pair; the accumulators (tiles x terms x rows x the four column vectors of a word x
 vectors) are at most half the SIMD registers, and the rows loop in passes, so the same kernel serves any number
 of rows. A weight of planes (ir.packing) streams all its packed rows, each block of them times its block of x.
+
+A bf16 build on AVX512-BF16 (`--matmul-precision bfloat16`, `bf16_ir`) runs the same loop on bfloat16 dot
+products instead, with its numerics: x rounded to bfloat16 once per call, one term. A pair of nibbles becomes a
+pair of bfloat16 by setting the bits of 128 around it, `(words >> 4n) & 0x000F000F | 0x43004300`, each value q
+read as 128 + q (exact: bfloat16 holds the integers up to 256), so a block's sum is C + 128 * sum x, and 128 * sum x
+comes off before the scales. One `vdpbf16ps` multiplies 2 x 16 weights with an x pair, where the integer form
+spends two instructions on them, one per term (on AMD Zen 4, which issues either at one 512-bit instruction a
+cycle, the integer form's arithmetic is as slow as memory at Qwen2.5's shapes).
 """
 
 from __future__ import annotations
@@ -34,7 +42,8 @@ from tvm.script import tirx as T
 
 from ir.packing import PAIR_SLOTS, logical_row, pair_column
 
-from .written import group_product, packed_linear_func, prefetch
+from .avx512_bf16 import DOT as BF16_DOT
+from .written import bf16_bits, group_product, packed_linear_func, prefetch, widened
 
 PREFETCH_PAIRS = 64  # row pairs ahead the first pass over a tile asks for (into L2): 4 KiB of a 16-word tile
 X_BLOCK = 128  # input rows per activation scale, at most
@@ -74,6 +83,8 @@ define linkonce_odr {sums} @{DOT}({sums} %acc, {sums} %a, {sums} %b) alwaysinlin
 
 
 IN_PLACE = 1  # nibbles up to this one are masked where they lie: 16 * 15 fits 16 bits, X_BLOCK rows' sums 32
+BF16_BIAS = 128  # bf16_ir: each 4-bit value q enters as this plus q, ...
+BF16_BIAS_PAIR = 0x43004300  # ... the bits of bfloat16 128 in each half of a word, q in the low bits of each
 
 
 def _pair_values(words, n, lanes: int):
@@ -91,17 +102,23 @@ def x_block(group: int) -> int:
     return max(b for b in range(2, min(group, X_BLOCK) + 1, 2) if group % b == 0)
 
 
-def _accumulators(rows: int, vecs: int) -> int:
-    """SIMD registers the sums of one column tile take: two terms x rows x PAIR_SLOTS x vectors."""
-    return 2 * rows * PAIR_SLOTS * vecs
+def _bf16_pair_values(words, n, lanes: int):
+    """The 4-bit pairs of nibble n of a vector of `lanes` words as pairs of bfloat16 of 128 + q (bf16_ir)."""
+    return T.bitwise_or(T.bitwise_and(T.shift_right(words, T.broadcast(4 * n, lanes)), T.broadcast(PAIR_MASK, lanes)),
+                        T.broadcast(BF16_BIAS_PAIR, lanes))
 
 
-def _tile(rows: int, vecs: int, budget: int) -> tuple[int, int]:
+def _accumulators(rows: int, vecs: int, terms: int) -> int:
+    """SIMD registers the sums of one column tile take: terms x rows x PAIR_SLOTS x vectors."""
+    return terms * rows * PAIR_SLOTS * vecs
+
+
+def _tile(rows: int, vecs: int, budget: int, terms: int) -> tuple[int, int]:
     """(rows, vectors) of the accumulator tile: `_accumulators` within `budget`, the fewest loads (a word vector per
-    vector, two activation pairs per row) per dot product."""
+    vector, an activation pair per row and term) per dot product."""
     options = [(r, v) for r in range(1, rows + 1) for v in range(1, vecs + 1)
-               if rows % r == 0 and vecs % v == 0 and _accumulators(r, v) <= budget]
-    return min(options, key=lambda t: ((t[1] + 2 * t[0]) / (t[0] * t[1]), -t[0]))
+               if rows % r == 0 and vecs % v == 0 and _accumulators(r, v, terms) <= budget]
+    return min(options, key=lambda t: ((t[1] + terms * t[0]) / (t[0] * t[1]), -t[0]))
 
 
 def _integer_activations(block: int, lanes: int):
@@ -139,26 +156,55 @@ def _integer_activations(block: int, lanes: int):
     return integers
 
 
-def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.PrimFunc | None:
+def _rounded_activations(block: int, lanes: int):
+    """A macro (xs, xq, scale, xsum) writing xq[r, 0, i]: x[r, i] rounded to bfloat16 (its bits), and xsum[r, b] =
+    the sum of the rounded x over block b; `scale`, which only the integer form has, is left alone."""
+    chunk = gcd(block, lanes)
+
+    @T.macro
+    def rounded(xs, xq, scale, xsum):
+        total = T.alloc_buffer((chunk,), "float32")
+        for r, b in T.grid(xs.shape[0], scale.shape[1]):
+            for lane in T.vectorized(chunk):
+                total[lane] = T.float32(0)
+            for i in range(block // chunk):
+                for lane in T.vectorized(chunk):
+                    xq[r, 0, b * block + i * chunk + lane] = bf16_bits(xs[r, b * block + i * chunk + lane])
+                    total[lane] = total[lane] + widened(xq[r, 0, b * block + i * chunk + lane])
+            xsum[r, b] = T.float32(0)
+            for lane in range(chunk):
+                xsum[r, b] = xsum[r, b] + total[lane]
+
+    return rounded
+
+
+def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False,
+               bf16_ir: str | None = None) -> tirx.PrimFunc | None:
     """The packed product of `compiler.kernels.linear` (weights in the pairs layout) as a weight-streaming loop of
-    integer pair dot products (`vnni`: the CPU has AVX512-VNNI), or None when a tile's words do not split into
-    whole SIMD vectors."""
+    integer pair dot products (`vnni`: the CPU has AVX512-VNNI), or, given `bf16_ir` (the LLVM IR of the bfloat16
+    dot product: `schedules.avx512_bf16.DPBF16PS_IR`), of bfloat16 dot products on x rounded to bfloat16, or None
+    when a tile's words do not split into whole SIMD vectors."""
     x_buf, q_buf, z_buf, s_buf = func.params[:4]
     m, k = (int(d) for d in x_buf.shape)
     tiles, pairs, words = (int(d) for d in q_buf.shape)
     groups = int(s_buf.shape[1])  # scales [tiles, groups, 4 tile]
+    bf16_dot = bf16_ir is not None
     depth = 2 * pairs  # packed rows: a weight of planes (ir.packing) has more than x has columns
     group, block = depth // groups, x_block(depth // groups)
     planes = depth // k
-    if words % lanes or lanes not in (8, 16):
+    if words % lanes or lanes not in (8, 16) or (bf16_dot and lanes != 16):
         return None
-    vecs = words // lanes
-    budget = 16 if lanes >= 16 else 8
-    rows, tile_vecs = _tile(m, vecs, budget)
-    fits = 2 * _accumulators(rows, tile_vecs) <= budget  # two tiles' sums in half the SIMD registers
+    vecs, terms = words // lanes, 1 if bf16_dot else 2
+    # SIMD registers for the sums, each term's in a buffer under 1 KiB (TVM keeps those on the stack, where LLVM
+    # holds them in registers; a larger one goes to the heap and is stored at every step): one term, half as many
+    budget = (16 if lanes >= 16 else 8) * terms // 2
+    rows, tile_vecs = _tile(m, vecs, budget, terms)
+    fits = 2 * _accumulators(rows, tile_vecs, terms) <= budget  # two tiles' sums in half the SIMD registers
     streams = 2 if fits and tiles % 4 == 0 else 1  # tasks of two tiles, still an even number: two cores stay balanced
     block_pairs = block // 2
-    activations = _integer_activations(block, lanes)
+    activations = (_rounded_activations if bf16_dot else _integer_activations)(block, lanes)
+    dot, sums_type = (BF16_DOT, "float32") if bf16_dot else (DOT, "int32")
+    pair_values = _bf16_pair_values if bf16_dot else _pair_values
 
     def x_block_of(b):
         """The block of x that packed block b multiplies."""
@@ -167,7 +213,9 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
     def block_sum(sum1, sum2, d, xs_sum, qz, sc, task, g, n, word):
         """A block's sum of x * W for the column of `word` in nibble n (written.group_product), from its integer
         sums of x1 * q and x2 * q (nibble IN_PLACE's 16 times too large) and x's scale and sum over the block
-        (group g)."""
+        (group g); with bf16_ir, from its one float32 sum of x * (128 + q) and x's sum."""
+        if bf16_dot:
+            return group_product(qz, sc, task, g, n, word, words, sum1 - T.float32(BF16_BIAS) * xs_sum, xs_sum)
         unit = T.Select(n == IN_PLACE, T.float32(1 / 16), T.float32(1))  # 16 ** -n for n <= IN_PLACE
         sum_xq = d * unit * (T.Cast("float32", sum1) + T.Cast("float32", sum2) * T.float32(1 / SPLIT))
         return group_product(qz, sc, task, g, n, word, words, sum_xq, xs_sum)
@@ -179,31 +227,32 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
                 for n in T.unroll(PAIR_SLOTS):
                     for r in T.unroll(rows):
                         acc[u, r, n, v, T.ramp(0, 1, lanes)] = T.call_extern(
-                            f"int32x{lanes}", DOT, acc[u, r, n, v, T.ramp(0, 1, lanes)], _pair_values(
+                            f"{sums_type}x{lanes}", dot, acc[u, r, n, v, T.ramp(0, 1, lanes)], pair_values(
                                 w[task * streams + u, pair, T.ramp((vt * tile_vecs + v) * lanes, 1, lanes)], n, lanes),
                             T.broadcast(xw[rt * rows + r, term, x_pair], lanes))
 
     @T.macro
     def products(xs, qw, qz, sc, ys, first):
-        xq = T.alloc_buffer((m, 2, k), "int16")
+        xq = T.alloc_buffer((m, terms, k), "uint16" if bf16_dot else "int16")
         scale = T.alloc_buffer((m, k // block), "float32")
         xsum = T.alloc_buffer((m, k // block), "float32")
         activations(xs, xq, scale, xsum)
-        xw = T.decl_buffer((m, 2, k // 2), "int32", data=xq.data)  # an activation pair: one word
+        xw = T.decl_buffer((m, terms, k // 2), "int32", data=xq.data)  # an activation pair: one word
         flat = T.decl_buffer((tiles * pairs * words,), "int32", data=qw.data)
-        with T.attr(0, "pragma_import_llvm", dot_ir(lanes, vnni)):
+        with T.attr(0, "pragma_import_llvm", bf16_ir if bf16_dot else dot_ir(lanes, vnni)):
             for task in T.parallel(tiles // streams):
                 sums = T.alloc_buffer((streams, m, PAIR_SLOTS, vecs, lanes), "float32")
-                # the two terms' sums in buffers of their own, each at most 1 KiB: on the stack, so in registers
-                acc1 = T.alloc_buffer((streams, rows, PAIR_SLOTS, tile_vecs, lanes), "int32")
-                acc2 = T.alloc_buffer((streams, rows, PAIR_SLOTS, tile_vecs, lanes), "int32")
+                # each term's sums in a buffer of its own, on the stack (see `budget`; one term: acc2 names acc1,
+                # unused)
+                acc1 = T.alloc_buffer((streams, rows, PAIR_SLOTS, tile_vecs, lanes), sums_type)
+                acc2 = T.alloc_buffer((streams, rows, PAIR_SLOTS, tile_vecs, lanes), "int32") if terms == 2 else acc1
                 for u, r, n, v, lane in T.grid(streams, m, PAIR_SLOTS, vecs, lanes):
                     sums[u, r, n, v, lane] = T.float32(0)
                 for b, vt, rt in T.grid(depth // block, vecs // tile_vecs, m // rows):
                     for u, r, n, v in T.grid(streams, rows, PAIR_SLOTS, tile_vecs):
                         for lane in T.vectorized(lanes):
-                            acc1[u, r, n, v, lane] = 0
-                            acc2[u, r, n, v, lane] = 0
+                            acc1[u, r, n, v, lane] = T.Cast(sums_type, 0)
+                            acc2[u, r, n, v, lane] = T.Cast(acc2.dtype, 0)
                     for p in range(block_pairs):
                         if vt == 0 and rt == 0:
                             for u in T.unroll(streams):
@@ -211,7 +260,8 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False) -> tirx.Prim
                                     ((task * streams + u) * pairs + b * block_pairs + p + PREFETCH_PAIRS) * words,
                                     tiles * pairs * words - 1)]))
                         dots(acc1, xw, 0, qw, task, rt, vt, b * block_pairs + p, x_block_of(b) * block_pairs + p)
-                        dots(acc2, xw, 1, qw, task, rt, vt, b * block_pairs + p, x_block_of(b) * block_pairs + p)
+                        if terms == 2:
+                            dots(acc2, xw, 1, qw, task, rt, vt, b * block_pairs + p, x_block_of(b) * block_pairs + p)
                     for u, r, n, v in T.grid(streams, rows, PAIR_SLOTS, tile_vecs):
                         for lane in T.vectorized(lanes):
                             sums[u, rt * rows + r, n, vt * tile_vecs + v, lane] = sums[

@@ -61,13 +61,13 @@ def rounded_attention(q, k_pages, v_pages, table, row_of, pos_of, num_heads, num
 def assert_chunk_rounded_and_rows_float32(got: np.ndarray, inputs: list[np.ndarray], attrs: dict, chunk: int) -> None:
     """The chunk's rows as the rounded reference (and off the exact one: they really were rounded), every other row
     as float32 attention. A probability within float32 error (the kernel's exp is not numpy's) of a point halfway
-    between two bfloat16 values may round the other way, one bfloat16 step (2 ** -8) of one weight: so nearly all
-    elements within 1e-4 of the largest, the few such within 5e-4."""
+    between two bfloat16 values may round the other way, one bfloat16 step (2 ** -8) of that weight: seen up to
+    2.1e-4 of the largest output (most cases under 1e-5), so within 5e-4, where the unrounded attention is 3.5e-3
+    to 6e-3 away."""
     rounded = rounded_attention(*inputs, **attrs)
     exact = ref.paged_attention(*inputs, **attrs)
     top = float(np.abs(exact).max())
-    off = np.abs(got[:chunk] - rounded[:chunk])
-    assert np.quantile(off, 0.999) <= 1e-4 * top and off.max() <= 5e-4 * top, (np.quantile(off, 0.999), off.max(), top)
+    np.testing.assert_allclose(got[:chunk], rounded[:chunk], rtol=0, atol=5e-4 * top)
     assert np.abs(got[:chunk] - exact[:chunk]).max() > 1e-3 * top
     np.testing.assert_allclose(got[chunk:], exact[chunk:], rtol=0, atol=1e-5 * top)
 

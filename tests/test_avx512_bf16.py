@@ -30,6 +30,7 @@ from runtime import CompiledModel
 from schedules import cpu
 from schedules.avx512_bf16 import DOT, DPBF16PS_IR, dpbf16_awq_gemm, dpbf16_gemm
 from schedules.cpu_attention import paged_attention
+from schedules.cpu_awq import awq_linear
 
 HAS_AVX512_BF16 = {"avx512f", "avx512_bf16"} <= host_cpu_flags()
 needs_avx512_bf16 = pytest.mark.skipif(not HAS_AVX512_BF16, reason="this CPU has no AVX512-BF16 dot products")
@@ -125,6 +126,33 @@ def test_awq_products_on_the_instruction_as_on_the_portable_dot():
     got = tvm.runtime.empty((64, 192), "float32", tvm.cpu())
     lib["main"](*[tvm.runtime.tensor(a) for a in inputs], got)
     np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=2e-6 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("rows,depth,cols,group", [
+    (1, 256, 128, 64),  # one row: two 16-word tiles a task
+    (3, 512, 64, 128),  # one tile, three rows
+    (8, 256, 192, 32),  # eight sequences' decode, 32-row groups (blocks of x as long)
+    (24, 256, 64, 64),  # a prompt chunk of no multiple of 16 rows
+])
+@pytest.mark.parametrize("kind,planes", [("awq_int4_pairs", 1), ("affine_int4_pairs", 1), ("awq_int4_pairs", 2)])
+def test_awq_decode_rows_on_dot_products_are_exact_in_the_weights(rows, depth, cols, group, kind, planes):
+    """AWQ decode in a bf16 build on AVX512-BF16: x rounded once, each 4-bit value entering as the bfloat16 of 128
+    + q and the 128 taken off with x's sum, so the products are those of the rounded x and the exact weights, to
+    the float32 rounding of sums that carry 128 x sum of x (some 17 times the values' own: 1e-5 of the largest
+    output, where a wrong value or scale is off by 1e-2)."""
+    kernel, inputs, want = awq_product_case(RNG, rows, depth, cols, group, "float16", kind, planes)
+    got = run(awq_linear(kernel, 16, True, PORTABLE_DOT), inputs, rows, cols)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+
+
+@needs_avx512_bf16
+def test_awq_decode_rows_on_the_instruction_as_on_the_portable_dot():
+    kernel, inputs, want = awq_product_case(RNG, 1, 512, 256, 128, "float16", "awq_int4_pairs", 1)
+    lib = tvm.compile(awq_linear(kernel, 16, True, DPBF16PS_IR), HOST)
+    assert "vdpbf16ps" in lib.mod.inspect_source("asm")
+    got = tvm.runtime.empty((1, 256), "float32", tvm.cpu())
+    lib["main"](*[tvm.runtime.tensor(a) for a in inputs], got)
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
 
 
 def test_activations_round_to_nearest_bfloat16_ties_to_even():
@@ -260,7 +288,7 @@ def test_shapes_that_do_not_fit_keep_float32_products():
 
 @pytest.mark.parametrize("mcpu", ["znver4", "znver5", "cooperlake"])
 def test_cpus_with_avx512_bf16_and_no_amx_compile_prefill_and_decode_products_to_vdpbf16ps(mcpu):
-    """Prefill products of bfloat16 and of AWQ weights, and decode products of bfloat16 weights."""
+    """Prefill and decode products of bfloat16 and of AWQ weights."""
     target = cpu_target(mcpu, "bfloat16")
     assert target.bf16_products == "avx512bf16" and "avx512bf16" in target.features
     assert "amx-tile" not in target.features
@@ -272,9 +300,10 @@ def test_cpus_with_avx512_bf16_and_no_amx_compile_prefill_and_decode_products_to
     asm = tvm.compile(cpu.schedule(linear_kernel(8, 896, 128), "linear", {}, target),
                       target.tvm_target()).mod.inspect_source("asm")
     assert asm.count("vdpbf16ps") >= 8  # eight sequences' decode: one dot product per row a step
-    awq, _, _ = awq_product_case(RNG, 64, 256, 128, 128, None, "awq_int4_pairs", 1)
-    asm = tvm.compile(cpu.schedule(awq, "linear", {}, target), target.tvm_target()).mod.inspect_source("asm")
-    assert asm.count("vdpbf16ps") >= 16 and "vpermw" in asm  # AWQ prefill: its values unpacked to bfloat16
+    for rows, unpacking in [(64, "vpermw"), (1, "vpternlogd")]:  # AWQ prefill, AWQ decode: values to bfloat16
+        awq, _, _ = awq_product_case(RNG, rows, 256, 128, 128, None, "awq_int4_pairs", 1)
+        asm = tvm.compile(cpu.schedule(awq, "linear", {}, target), target.tvm_target()).mod.inspect_source("asm")
+        assert asm.count("vdpbf16ps") >= 8 and unpacking in asm and "vpdpwssd" not in asm
 
 
 def test_the_path_each_cpu_gets_and_what_auto_resolves_to():

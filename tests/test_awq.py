@@ -316,7 +316,8 @@ def test_checkpoint_without_packed_tensors_is_a_clear_error(tmp_path):
 def test_bf16_prefill_of_an_awq_model_tracks_transformers(tmp_path, monkeypatch, path, flags):
     """--matmul-precision bfloat16 on an AWQ checkpoint: prefill products on AMX tiles (schedules.amx amx_awq_gemm)
     or on AVX512-BF16 dot products (schedules.avx512_bf16 dpbf16_awq_gemm: an AMX Xeon builds for Zen 4 to run
-    them), off the float32 model by the activations' bfloat16 rounding and no more; decode stays float32."""
+    them), off the float32 model by the activations' bfloat16 rounding and no more; decode on the integer pairs
+    with AMX, on dot products too with AVX512-BF16 (schedules.cpu_awq with bf16_ir)."""
     if not flags <= host_cpu_flags():
         pytest.skip(f"this CPU has no {' or '.join(sorted(flags))}")
     torch = pytest.importorskip("torch")
@@ -326,10 +327,15 @@ def test_bf16_prefill_of_an_awq_model_tracks_transformers(tmp_path, monkeypatch,
     written = []  # the AWQ products the build wrote for the path (the 128-wide gate and up projections)
     gemm = cpu.BF16_AWQ_GEMMS[path]
     monkeypatch.setitem(cpu.BF16_AWQ_GEMMS, path, lambda func: written.append(gemm(func)) or written[-1])
+    decode_dots = []  # whether each few-row AWQ product was written on bfloat16 dot products
+    rows_kernel = cpu.awq_linear
+    monkeypatch.setattr(cpu, "awq_linear", lambda func, lanes, vnni, bf16_ir: decode_dots.append(
+        bf16_ir is not None) or rows_kernel(func, lanes, vnni, bf16_ir))
     artifact = build(model_dir, out=tmp_path / path, prefill_buckets=(32,), max_context=64, mcpu=mcpu,
                      matmul_precision="bfloat16", quiet=True).path
     ours = CompiledModel(model_dir, artifact)
     assert ours.manifest.target.bf16_products == path and any(w is not None for w in written)
+    assert decode_dots and all(decode_dots) == (path == "avx512bf16")
     hf = transformers.AutoModelForCausalLM.from_pretrained(dequantised_checkpoint(model_dir, tmp_path / "plain"),
                                                            dtype=torch.float32).eval()
     from bf16_cases import assert_bf16_prefill_tracks
