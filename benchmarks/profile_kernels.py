@@ -63,12 +63,13 @@ def main() -> None:
         parser.error("give --work (with --shape) or --model-dir")
     use_all_cores()
     awq = args.dtype == "awq"
-    target = cpu_target(args.mcpu, args.matmul_precision).for_weights("float16" if awq else args.dtype)
+    weights = "float16" if awq else args.dtype  # the float checkpoint's dtype
+    target = cpu_target(args.mcpu, args.matmul_precision).for_weights(weights)
     if target.bf16_products == "amx":
         enable_amx()
     model_dir = args.model_dir
     if model_dir is None:
-        model_dir = real_shape_checkpoint(args.work, args.shape, "float16" if awq else args.dtype)
+        model_dir = real_shape_checkpoint(args.work, args.shape, weights)
         model_dir = awq_checkpoint_of(model_dir, AWQ_GROUP) if awq else model_dir
     program = packed_as(models.load_checkpoint_program(model_dir)[3], CPU_PACKINGS)  # as a CPU build stores it
     dev, rng = tvm.cpu(), np.random.default_rng(0)

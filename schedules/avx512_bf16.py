@@ -33,7 +33,7 @@ from tvm.script import tirx as T
 from ir.packing import PAIR_SLOTS, pair_column
 
 from .written import (PAIR_ROWS, group_product, linear_func, nibble_pairs, nibble_table, pack_activation_pairs,
-                      packed_linear_func, transpose)
+                      packed_linear_func, transpose, widened)
 
 LANES = PAIR_ROWS  # float32 lanes of a zmm register (16): token rows per vector
 DEPTH_BLOCK_PAIRS = 512  # depth pairs per pass (1024 depth): a tile's activations and a task's weights stay in L2
@@ -199,16 +199,26 @@ def dpbf16_awq_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.Prim
         """Weight column c of half h of register tile ct, in the order the unpacked words hold them (nibble-major)."""
         return ct * cols + h * half + c
 
+    def nibble(ct, h, c):
+        """The nibble of its word that holds that column."""
+        return column(ct, h, c) // words
+
+    def word(ct, h, c):
+        """The word of the tile that holds it."""
+        return column(ct, h, c) % words
+
+    def placed(ct, h, c):
+        """Its column within the task's columns of y (ir.packing.pair_column of tile 0)."""
+        return pair_column(0, nibble(ct, h, c), word(ct, h, c), words)
+
     @T.macro
     def fold(acc, part, qz, sc, xsum, task, g, tv, ct, h):
         """A group's sums into the task's: scaled, less the zero point times the group's x (written.group_product)."""
         for c, v in T.grid(half, vecs):
             for lane in T.vectorized(LANES):
-                part[pair_column(0, column(ct, h, c) // words, column(ct, h, c) % words, words),
-                     (tv * vecs + v) * LANES + lane] = part[
-                    pair_column(0, column(ct, h, c) // words, column(ct, h, c) % words, words),
-                    (tv * vecs + v) * LANES + lane] + group_product(
-                    qz, sc, task, g, column(ct, h, c) // words, column(ct, h, c) % words, words, acc[c, v, lane],
+                part[placed(ct, h, c), (tv * vecs + v) * LANES + lane] = part[
+                    placed(ct, h, c), (tv * vecs + v) * LANES + lane] + group_product(
+                    qz, sc, task, g, nibble(ct, h, c), word(ct, h, c), words, acc[c, v, lane],
                     xsum[tv * vecs + v, g // planes, lane])
 
     @T.macro
@@ -223,9 +233,8 @@ def dpbf16_awq_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.Prim
                     xsum[tv, g, lane] = T.float32(0)
                 for p in range(group_pairs):
                     for lane in T.vectorized(LANES):
-                        xsum[tv, g, lane] = xsum[tv, g, lane] + (
-                            T.reinterpret("float32", T.shift_left(xw[tv, g * group_pairs + p, lane], 16))
-                            + T.reinterpret("float32", T.bitwise_and(xw[tv, g * group_pairs + p, lane], -65536)))
+                        xsum[tv, g, lane] = xsum[tv, g, lane] + (widened(xw[tv, g * group_pairs + p, lane])
+                                                                 + widened(xw[tv, g * group_pairs + p, lane] >> 16))
         with T.attr(0, "pragma_import_llvm", dot_ir):
             for task in T.parallel(tiles):
                 table = T.alloc_buffer((2 * LANES,), "uint16")

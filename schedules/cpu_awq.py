@@ -43,12 +43,11 @@ from tvm.script import tirx as T
 from ir.packing import PAIR_SLOTS, logical_row, pair_column
 
 from .avx512_bf16 import DOT as BF16_DOT
-from .written import bf16_bits, group_product, packed_linear_func, prefetch, widened
+from .written import PAIR_MASK, bf16_bits, group_product, packed_linear_func, prefetch, widened
 
 PREFETCH_PAIRS = 64  # row pairs ahead the first pass over a tile asks for (into L2): 4 KiB of a 16-word tile
 X_BLOCK = 128  # input rows per activation scale, at most
 SPLIT = 1 << 15  # x2 holds the rest of x / d in units of 2 ** -15
-PAIR_MASK = 0x000F000F  # one 4-bit value in each 16-bit half of a word
 DOT = "ruda_pmaddwd"
 
 
@@ -252,7 +251,8 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False,
                     for u, r, n, v in T.grid(streams, rows, PAIR_SLOTS, tile_vecs):
                         for lane in T.vectorized(lanes):
                             acc1[u, r, n, v, lane] = T.Cast(sums_type, 0)
-                            acc2[u, r, n, v, lane] = T.Cast(acc2.dtype, 0)
+                            if terms == 2:
+                                acc2[u, r, n, v, lane] = 0
                     for p in range(block_pairs):
                         if vt == 0 and rt == 0:
                             for u in T.unroll(streams):

@@ -75,6 +75,7 @@ def packed_linear_func(func: tirx.PrimFunc, products) -> tirx.PrimFunc:
 
 
 PAIR_ROWS = 16  # token rows per block of paired activations
+PAIR_MASK = 0x000F000F  # one 4-bit value in each 16-bit half of a word of the pairs layout (ir.packing)
 
 
 def bf16_bits(v):
@@ -122,7 +123,7 @@ def nibble_pairs(table, words, n):
         f"uint16x{2 * lanes}", "llvm.x86.avx512.permvar.hi.512", table[T.ramp(0, 1, 2 * lanes)],
         T.reinterpret(f"uint16x{2 * lanes}", T.bitwise_and(T.shift_right(
             T.reinterpret(f"uint32x{lanes}", words), T.broadcast(T.uint32(4) * T.Cast("uint32", n), lanes)),
-            T.broadcast(T.uint32(0x000F000F), lanes)))))
+            T.broadcast(T.uint32(PAIR_MASK), lanes)))))
 
 
 def group_product(zeros, scales, task, g, n, word, tile: int, sum_xq, sum_x):
