@@ -118,6 +118,12 @@ def test_awq_products_are_exact_in_the_weights(rows, depth, cols, group, bias, k
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * float(np.abs(want).max()))
 
 
+def test_awq_shapes_that_do_not_fit_the_dot_product_gemm_keep_their_other_kernel():
+    for rows, cols in [(24, 64), (32, 32)]:  # token rows no multiple of 16; 4-word column tiles, not 16
+        kernel, _, _ = awq_product_case(RNG, rows, 64, cols, 32, None, "awq_int4_pairs", 1)
+        assert dpbf16_awq_gemm(kernel) is None
+
+
 @needs_avx512_bf16
 def test_awq_products_on_the_instruction_as_on_the_portable_dot():
     kernel, inputs, want = awq_product_case(RNG, 64, 256, 192, 64, "float16", "awq_int4_pairs", 1)
