@@ -1,12 +1,14 @@
-"""Decode steps' products (one x row per sequence) of bfloat16 weights streamed from memory: the kernels of both
+"""Decode steps' products (one x row per sequence) of 16-bit weights streamed from memory: the kernels of both
 builds, with and without software prefetches, beside numpy's read of the same bytes.
 
     python -m benchmarks.decode_products --shapes 2048x5632,5632x2048,4864x896,896x4864 --rounds 15
     python -m benchmarks.decode_products --rows 8 --shapes 2048x5632,11264x2048   # a decode step of 8 sequences
+    python -m benchmarks.decode_products --dtype float16 --shapes 151936x896   # an AWQ checkpoint's float16 head
 
 For each weight shape OUTxIN: the float32 build's product (the weights widened to float32, `schedules.cpu._rows_gemv`)
-and, on a CPU with AVX512-BF16, the bfloat16 build's (x rounded to bfloat16, the same loop on dot products),
-each as this CPU's build chooses ("built") and with the software prefetches forced on and off. Every call reads a
+and, for bfloat16 weights on a CPU with AVX512-BF16, the bfloat16 build's (x rounded to bfloat16, the same loop on
+dot products; float16 weights are widened in both builds), each as this CPU's build chooses ("built") and with the
+software prefetches forced on and off. Every call reads a
 different copy of the weight, the copies (about 512 MiB, in huge pages as the runtime keeps weights) far larger than
 the caches, so each call streams from memory as a decode step does. The variants and numpy (the decode roofline of
 benchmarks.cpu_generate, reading as many bytes) take turns in every round; prints each one's median read rate in
@@ -36,13 +38,12 @@ from schedules.avx512_bf16 import DPBF16PS_IR
 COPIES_BYTES = 512 << 20
 
 
-def variants(out: int, depth: int, rows: int = 1) -> dict:
-    """name -> the kernel (a PrimFunc) of each variant for one shape."""
-    kernel = make_kernel("linear", [TensorType((rows, depth), "float32"), TensorType((out, depth), "bfloat16")],
-                         {}).func
+def variants(out: int, depth: int, rows: int = 1, dtype: str = "bfloat16") -> dict:
+    """name -> the kernel (a PrimFunc) of each variant for one shape of `dtype` weights."""
+    kernel = make_kernel("linear", [TensorType((rows, depth), "float32"), TensorType((out, depth), dtype)], {}).func
     targets = {"float32": cpu_target(None)}
     bf16 = cpu_target(None, "auto").for_weights("bfloat16")
-    if bf16.bf16_products == "avx512bf16":  # on AMX decode rows stay float32; without either, no bf16 build
+    if dtype == "bfloat16" and bf16.bf16_products == "avx512bf16":  # on AMX decode rows stay float32; without either, no bf16 build
         targets["bfloat16"] = bf16
     found = {}
     for precision, target in targets.items():
@@ -61,21 +62,23 @@ def main() -> None:
     parser.add_argument("--shapes", default="2048x5632,5632x2048,4864x896,896x4864,32000x2048")
     parser.add_argument("--rows", type=int, default=1, help="x rows: sequences in the decode step (at most 16)")
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="the weights'")
     args = parser.parse_args()
     try:
         shapes = [tuple(int(d) for d in shape.split("x")) for shape in args.shapes.split(",")]
-        kernels = [variants(out, depth, args.rows) for out, depth in shapes]
+        kernels = [variants(out, depth, args.rows, args.dtype) for out, depth in shapes]
     except ValueError as e:
         parser.error(f"--shapes {args.shapes!r} --rows {args.rows}: {e} (shapes are OUTxIN, comma-separated)")
     use_all_cores()
     threads = int(os.environ["TVM_NUM_THREADS"])
     target = cpu_target(None, "float32").tvm_target()
     memory, rng = HugePageMemory(), np.random.default_rng(0)
-    print(f"CPU: {cpu_description()}, {threads} threads, {args.rows} x row(s)\n")
+    numpy_dtype = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else np.float16
+    print(f"CPU: {cpu_description()}, {threads} threads, {args.rows} x row(s), {args.dtype} weights\n")
     print("| weight [out, in] | kernel | GB/s (median) | / numpy |\n|---|---|---|---|")
     with memory_read(COPIES_BYTES, args, [], threads) as (_, read, _):
         for (out, depth), variant in zip(shapes, kernels):
-            w = (rng.standard_normal((out, depth)) * depth ** -0.5).astype(ml_dtypes.bfloat16)
+            w = (rng.standard_normal((out, depth)) * depth ** -0.5).astype(numpy_dtype)
             copies = [memory.copy(w) for _ in range(max(2, COPIES_BYTES // w.nbytes))]
             x = tvm.runtime.tensor(rng.standard_normal((args.rows, depth)).astype(np.float32))
             y = tvm.runtime.empty((args.rows, out), "float32", tvm.cpu())

@@ -174,6 +174,14 @@ def test_decode_products_time_each_kernel_with_and_without_prefetches():
         assert DOT in found["bfloat16 build"].script()
 
 
+def test_decode_products_of_float16_weights_time_the_widening_kernel_only():
+    from benchmarks.decode_products import variants
+
+    found = variants(64, 2048, dtype="float16")  # no dot-product form for float16: both builds widen the weights
+    assert sorted(found) == ["float32 build", "float32, prefetch off", "float32, prefetch on"]
+    assert all("(64, 2048), \"float16\"" in f.script() for f in found.values())
+
+
 @pytest.mark.parametrize("argv", [["--shapes", "64x100"], ["--rows", "17", "--shapes", "64x128"],
                                   ["--shapes", "64by128"]])
 def test_decode_products_refuse_a_shape_the_kernels_do_not_take(argv, monkeypatch, capsys):
