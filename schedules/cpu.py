@@ -168,11 +168,12 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
     the fewest loads per product (4 weight rows where the registers allow: 25 GB/s against 22 for one row, four x
     rows of [2048, 5632]). One row of float32 weights is left to `_gemv`, as fast there.
 
-    With `dot_ir` (bfloat16 weights, a bf16 build on AVX512-BF16: `schedules.avx512_bf16`), the x rows are rounded
-    to bfloat16 once and a step's products are dot products of depth pairs: each instruction multiplies 32 weights
-    of a row with 32 of an x row and adds them into 16 float32 lanes, where the widening form spends a load, a
-    conversion and an FMA on every 16 weights (one row of TinyLlama's [2048, 5632] from memory: 43.6 GB/s against
-    24.9 on AMD Zen 4; batch decode, where the widening form runs out of FMAs before memory runs out of bytes, more).
+    With `dot_ir` (bfloat16 weights, a bf16 build on AVX512-BF16: `schedules.avx512_bf16`; which products take it:
+    `rows_on_dot_products`), the x rows are rounded to bfloat16 once and a step's products are dot products of
+    depth pairs: each instruction multiplies 32 weights of a row with 32 of an x row and adds them into 16 float32
+    lanes, where the widening form spends a load, a conversion and an FMA on every 16 weights (one row of
+    TinyLlama's [2048, 5632] from memory: 43.6 GB/s against 24.9 on AMD Zen 4; batch decode, where the widening form
+    runs out of FMAs before memory runs out of bytes, more).
 
     On a CPU whose hardware prefetchers suffice (`target.hardware_prefetch`, AMD Zen 4), one x row streams without
     software prefetches where they slow it: the widening form where x and a weight row fit in half of L1 (896 x 896
@@ -301,6 +302,18 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
             streamed(x_pairs, w_pairs, ys, first, flat)
 
     return linear_func(func, dots if dot else widened)
+
+
+def rows_on_dot_products(func: tirx.PrimFunc, target) -> bool:
+    """Whether a bf16 build on AVX512-BF16 runs this few-row product (`_rows_gemv`) on dot products: always, but for
+    one x row of weight rows up to STREAM_BYTES long on a CPU whose hardware prefetchers suffice (AMD Zen 4). There
+    the widening form streams such rows from memory without software prefetches as fast as the dot products do with
+    them, or faster (`benchmarks.decode_products`, two builds side by side: 1024-deep rows, all of Qwen3.5's
+    projections but two, 0.71-0.85x for the dot products, Qwen3.5's vocabulary head 0.77-0.81x; 896-deep 0.86-1.09x,
+    2048-deep 0.90-1.00x), while longer rows, which both forms stream without them, go 1.04-1.12x faster on dot
+    products (3584 to 5632 deep)."""
+    m, k = (int(d) for d in func.params[0].shape)
+    return not (target.hardware_prefetch and m == 1 and 2 * k <= STREAM_BYTES)
 
 
 def _gemv(sch: s_tir.Schedule, block, lanes: int) -> None:
@@ -525,7 +538,7 @@ def _written(func: tirx.PrimFunc, kind: str, target, attrs: dict | None) -> tirx
     if kind == "linear":
         rows = int(func.params[0].shape[0])
         gemm = BF16_GEMMS[bf16_products](func) if bf16_products and rows >= BF16_MIN_ROWS else None
-        if gemm is None and bf16_products == "avx512bf16":  # few rows on dot products too
+        if gemm is None and bf16_products == "avx512bf16" and rows_on_dot_products(func, target):
             gemm = _rows_gemv(func, target, dot_ir=DPBF16PS_IR)
         return gemm if gemm is not None else _rows_gemv(func, target)
     if kind == "paged_attention" and attrs is not None:

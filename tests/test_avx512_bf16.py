@@ -218,13 +218,18 @@ def test_the_instruction_computes_the_decode_rows_as_the_portable_dot_does(rows,
     np.testing.assert_allclose(got, portable, rtol=1e-6, atol=1e-6 * float(np.abs(portable).max()))
 
 
-@pytest.mark.parametrize("mcpu,rows,depth,prefetches", [
-    ("znver5", 1, 5632, True), ("cooperlake", 1, 896, True),  # software prefetches at every depth
-    ("znver4", 1, 5632, False), ("znver4", 1, 2112, False),  # Zen 4: rows longer than a page left to the hardware
-    ("znver4", 1, 2048, True), ("znver4", 1, 896, True), ("znver4", 4, 5632, True)])  # ... not the rest
-def test_decode_rows_prefetch_in_software_where_the_hardware_falls_short(mcpu, rows, depth, prefetches):
+@pytest.mark.parametrize("mcpu,rows,depth,dots,prefetches", [
+    ("znver5", 1, 5632, True, True), ("znver5", 1, 1024, True, True),  # dot products, software prefetches at every
+    ("cooperlake", 1, 896, True, True),  # depth
+    ("znver4", 1, 5632, True, False), ("znver4", 1, 2112, True, False),  # Zen 4, one row longer than a page: dot
+    # products, prefetching left to the hardware
+    ("znver4", 1, 2048, False, False), ("znver4", 1, 1024, False, False),  # ... a page or less: the widening form,
+    ("znver4", 1, 896, False, False),  # without prefetches either
+    ("znver4", 4, 5632, True, True), ("znver4", 4, 1024, True, True)])  # several rows: dot products, prefetches
+def test_decode_rows_take_dot_products_and_software_prefetches_where_they_stream_faster(mcpu, rows, depth, dots,
+                                                                                       prefetches):
     kernel = cpu.schedule(linear_kernel(rows, depth, 256), "linear", {}, cpu_target(mcpu, "bfloat16"))
-    assert DOT in kernel.script()  # the dot-product form
+    assert (DOT in kernel.script()) == dots
     assert ("llvm.prefetch" in kernel.script()) == prefetches
 
 
@@ -298,7 +303,7 @@ def test_cpus_with_avx512_bf16_and_no_amx_compile_prefill_and_decode_products_to
     target = cpu_target(mcpu, "bfloat16")
     assert target.bf16_products == "avx512bf16" and "avx512bf16" in target.features
     assert "amx-tile" not in target.features
-    prefill, decode = linear_kernel(64, 896, 128), linear_kernel(1, 896, 128)
+    prefill, decode = linear_kernel(64, 896, 128), linear_kernel(1, 4864, 128)  # Zen 4: decode rows beyond a page
     asm = tvm.compile(cpu.schedule(prefill, "linear", {}, target), target.tvm_target()).mod.inspect_source("asm")
     assert asm.count("vdpbf16ps") >= 16  # the 4 x 4 register tile, unrolled
     asm = tvm.compile(cpu.schedule(decode, "linear", {}, target), target.tvm_target()).mod.inspect_source("asm")
