@@ -43,7 +43,8 @@ def variants(out: int, depth: int, rows: int = 1, dtype: str = "bfloat16") -> di
     kernel = make_kernel("linear", [TensorType((rows, depth), "float32"), TensorType((out, depth), dtype)], {}).func
     targets = {"float32": cpu_target(None)}
     bf16 = cpu_target(None, "auto").for_weights("bfloat16")
-    if dtype == "bfloat16" and bf16.bf16_products == "avx512bf16":  # on AMX decode rows stay float32; without either, no bf16 build
+    # on AMX decode rows stay float32; without either path, no bf16 build; float16 weights have no dot products
+    if dtype == "bfloat16" and bf16.bf16_products == "avx512bf16":
         targets["bfloat16"] = bf16
     found = {}
     for precision, target in targets.items():
