@@ -14,8 +14,9 @@ by half within seconds, hits every engine alike; a short pause after each engine
 spinning. The decode roofline takes its turns too: an engine whose step reads a token's weight bytes from memory.
 
 - ours: the compiled artifact through CompiledModel; for bfloat16 and AWQ also one built with --matmul-precision
-  bfloat16 (prefill products on AMX tiles, else prefill and decode products on AVX512-BF16 dot products; a row
-  with the reason where this CPU has neither);
+  bfloat16 (prefill products on AMX tiles, else prefill and decode products on AVX512-BF16 dot products, but for
+  one sequence's rows up to a page on AMD Zen 4: schedules.cpu.rows_on_dot_products; a row with the reason where
+  this CPU has neither);
   `--mcpu cooperlake` on an AMX Xeon builds for a CPU without AMX, so that the AVX512-BF16 path is timed there;
 - transformers (torch CPU, the checkpoint's dtype);
 - llama.cpp through llama-cpp-python, on the checkpoint converted to GGUF by the converter from
