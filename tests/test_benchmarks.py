@@ -182,6 +182,15 @@ def test_decode_products_of_float16_weights_time_the_widening_kernel_only():
     assert all("(64, 2048), \"float16\"" in f.script() for f in found.values())
 
 
+def test_decode_products_refuse_a_weight_dtype_without_a_16_bit_kernel(monkeypatch, capsys):
+    from benchmarks import decode_products
+
+    monkeypatch.setattr("sys.argv", ["decode_products", "--dtype", "float32", "--shapes", "64x128"])
+    with pytest.raises(SystemExit) as exit_info:
+        decode_products.main()
+    assert exit_info.value.code == 2 and "--dtype: invalid choice: 'float32'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["--shapes", "64x100"], ["--rows", "17", "--shapes", "64x128"],
                                   ["--shapes", "64by128"]])
 def test_decode_products_refuse_a_shape_the_kernels_do_not_take(argv, monkeypatch, capsys):
