@@ -1,9 +1,10 @@
 """Paged attention on a CPU: blocks of query rows of one sequence as two register-blocked matrix products per
-head, and single rows (decode, or rows of different sequences) as dot products over the head dimension for a block
-of heads that share a KV head (`_row_macro`). A task is a block of rows for a block of heads sharing a KV head:
-its keys and values are read once for all of them (GQA; decode of a 1024-position context, Intel Xeon with AMX:
-attention's time in a step 0.57-0.77x, with prefetches of the positions AHEAD, which the 256-byte rows of a KV
-head, a page row apart, leave to the hardware prefetcher otherwise).
+head, and single rows of a kernel of several (decodes of different sequences, a chunk's ragged end) as dot products
+over the head dimension for a block of heads that share a KV head (`_row_macro`); a kernel of one row (one
+sequence's decode step) is `schedules.cpu_decode_attention`'s. A task is a block of rows for a block of heads
+sharing a KV head: its keys and values are read once for all of them (GQA; decode of a 1024-position context,
+Intel Xeon with AMX: attention's time in a step 0.57-0.77x, with prefetches of the positions AHEAD, which the
+256-byte rows of a KV head, a page row apart, leave to the hardware prefetcher otherwise).
 
 The compute definition (`compiler.kernels.paged_attention`) scores one query row against one
 position at a time, a dot product that ends in a horizontal sum. For a block of `lanes` or 2 x `lanes`
@@ -25,6 +26,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from . import amx_attention, avx512_bf16_attention
+from .cpu_decode_attention import decode_attention, register_budget, slot_base
 from .block_steps import POSITIONS, block_steps, steps
 from .vector_math import softmax_exp
 from .written import FLOATS_PER_LINE, horizontal, prefetch
@@ -52,7 +54,7 @@ class _Shape:
         self.out_rows = 4 if lanes >= 16 else 2  # query rows per step of the weighted sum: out_rows x out_vecs sums,
         # half of AVX-512's 32 registers or of AVX2's 16
         self.span = (history + POSITIONS - 1) // POSITIONS * POSITIONS
-        self.budget = 14 if lanes >= 16 else 8  # a single row's accumulators: under half the registers, under 1 KiB
+        self.budget = register_budget(lanes)  # a single row's accumulators (under 1 KiB)
         self.head_block = max(b for b in range(1, self.group + 1) if self.group % b == 0 and b <= self.budget)
 
     @property
@@ -225,28 +227,27 @@ def paged_attention(func: tirx.PrimFunc, attrs: dict, lanes: int,
     """The `paged_attention` op's kernel: each block of rows that is a run of consecutive positions of one
     sequence (a prefill chunk) as a block (its products in bfloat16 on the path `bf16_products` names, where the
     block fits it: `schedules.amx_attention`, `schedules.avx512_bf16_attention`), every other row (decodes,
-    padding, a chunk's ragged end) on its own; or None when head_dim is not whole SIMD vectors."""
+    padding, a chunk's ragged end) on its own; a kernel of one row in parts of its positions
+    (`schedules.cpu_decode_attention`); or None when head_dim is not whole SIMD vectors."""
     q_buf, k_buf, _, table_buf = func.params[:4]
     pages, page_size, kv_width = (int(d) for d in k_buf.shape)
     seqs, width = (int(d) for d in table_buf.shape)
     shape = _Shape(q_buf, width * page_size, attrs, lanes)
     if shape.dim % lanes:
         return None
+    if shape.rows == 1:
+        return decode_attention(func, attrs, lanes)
     rows, heads, dim, group, head_block = shape.rows, shape.heads, shape.dim, shape.group, shape.head_block
     block = shape.block if shape.blocked else rows
     blocks = rows // block
     rows_block, heads_row = _block_macro(shape), _row_macro(shape)
     page_floats = page_size * kv_width
 
-    def slot_base(table, seq):
-        """base(j): the flat offset of position j's key/value row of sequence `seq`, through its block table."""
-        return lambda j: T.max(table[seq, j // page_size], 0) * page_floats + j % page_size * kv_width
-
     @T.macro
     def single_rows(q, out, keys, values, table, row_of, pos_of, h0, t0):
         for r in range(block):
             heads_row(q, out, keys, values, h0, h0 // group * dim, t0 + r, pos_of[t0 + r],
-                      slot_base(table, row_of[t0 + r]))
+                      slot_base(table, row_of[t0 + r], page_size, kv_width))
 
     @T.macro
     def float_heads(q, out, keys, values, h0, kv, r0, first, seen, base):
@@ -259,7 +260,7 @@ def paged_attention(func: tirx.PrimFunc, attrs: dict, lanes: int,
     def chunk_or_rows(q, out, keys, values, table, row_of, pos_of, h0, t0):
         if row_of[t0 + block - 1] == row_of[t0] and pos_of[t0 + block - 1] == pos_of[t0] + block - 1:
             block_heads(q, out, keys, values, h0, h0 // group * dim, t0, pos_of[t0], pos_of[t0] + block,
-                        slot_base(table, row_of[t0]))
+                        slot_base(table, row_of[t0], page_size, kv_width))
         else:
             single_rows(q, out, keys, values, table, row_of, pos_of, h0, t0)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -22,6 +24,22 @@ def horizontal(vector, lanes: int, combine):
         lanes //= 2
         vector = combine(T.vectorlow(f"float32x{lanes}", vector), T.vectorhigh(f"float32x{lanes}", vector))
     return combine(tirx.Shuffle([vector], [0]), tirx.Shuffle([vector], [1]))
+
+
+def horizontals(vectors: list, lanes: int, combine=operator.add):
+    """One vector whose lane p is `combine` over the lanes of vectors[p] (`lanes` vectors): a tree of pairwise
+    halves (lanes - 1 combines and twice as many shuffles, where a `horizontal` per vector takes log2(lanes) of
+    each)."""
+    width = lanes  # lanes per partial result in every vector of this level
+    while width > 1:
+        half = width // 2
+        low = [s * width + k for s in range(lanes // width) for k in range(half)]
+        order_low = low + [lanes + i for i in low]
+        order_high = [i + half for i in order_low]
+        vectors = [combine(tirx.Shuffle([a, b], order_low), tirx.Shuffle([a, b], order_high))
+                   for a, b in zip(vectors[::2], vectors[1::2])]
+        width = half
+    return vectors[0]
 
 
 def thread_loop(emulate: bool):

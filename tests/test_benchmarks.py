@@ -3,6 +3,7 @@ slices), and a failing one is reported."""
 
 from __future__ import annotations
 
+import re
 from contextlib import ExitStack, contextmanager
 
 import pytest
@@ -231,3 +232,20 @@ def test_rounded_attention_model_is_transformers_attention_until_it_rounds(tmp_p
     scale = float(want.abs().max())
     assert float((exact - want).abs().max()) < 1e-5 * scale
     assert 1e-4 * scale < float((rounded - want).abs().max()) < 2e-2 * scale
+
+
+def test_decode_attention_times_the_kernel_a_decode_step_runs():
+    from benchmarks.decode_attention import attention_kernel
+    from schedules.cpu_decode_attention import PARTS
+
+    assert re.findall(r"T\.parallel\((\d+)\)", attention_kernel(14, 2, 64, 100).script()) == [str(PARTS)]
+
+
+@pytest.mark.parametrize("argv", [["--shapes", "14x3x64"], ["--shapes", "14x2"], ["--positions", "0"]])
+def test_decode_attention_refuses_a_shape_or_length_it_cannot_build(argv, monkeypatch, capsys):
+    from benchmarks import decode_attention
+
+    monkeypatch.setattr("sys.argv", ["decode_attention", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        decode_attention.main()
+    assert exit_info.value.code == 2 and "HEADSxKV_HEADSxHEAD_DIM" in capsys.readouterr().err

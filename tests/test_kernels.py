@@ -16,6 +16,7 @@ from compiler.target import cpu_target
 from ir import OPS, TensorType, infer_types
 from schedules import cpu
 from schedules.cpu_attention import WEIGHTED_POSITIONS, paged_attention
+from schedules.cpu_decode_attention import PARTS
 from schedules.cpu_conv import causal_conv
 from schedules.cpu_delta import delta_rule
 
@@ -186,17 +187,33 @@ def test_written_paged_attention_sums_values_in_passes_of_positions(lanes_target
     close(got, ref.paged_attention(q, k_pages, v_pages, table, row_of, pos_of, **attrs), tol=1e-4)
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(14, 2), (32, 4), (4, 4)])
-def test_decode_attention_runs_a_task_per_kv_head_for_all_its_query_heads(heads, kv_heads):
-    """One decode row: each KV head's keys and values are read in one task for every query head that shares them
-    (GQA), not once per query head."""
-    head_dim, pages, block = 64, 8, 16
-    cache = TensorType((pages, block, kv_heads * head_dim), "float32")
-    types = [TensorType((1, heads * head_dim), "float32"), cache, cache, TensorType((1, pages), "int32"),
-             TensorType((1,), "int32"), TensorType((1,), "int32")]
+@pytest.mark.parametrize("lanes_target", ["native", "x86-64-v3"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(14, 2, 64), (4, 4, 16), (8, 2, 256), (6, 1, 32)])
+@pytest.mark.parametrize("last", [0, 47, 128, 700])
+def test_decode_attention_splits_positions_into_parts_of_every_head(lanes_target, heads, kv_heads, head_dim, last):
+    """One decode row: PARTS tasks, each over a run of positions for every head (whole key and value rows), merged
+    by their softmax maxima: contexts too short for more than one part or two (the tasks between them left empty),
+    and one of several blocks a part with a ragged end, over scattered pages whose unwritten slots hold NaN."""
+    block = 16
+    pages = (last + block) // block + 3
+    table = np.full((2, 64), -1, dtype=np.int32)
+    table[1, :pages - 2] = RNG.permutation(pages)[:pages - 2]  # the row's pages in no order, two left out
+    k_pages, v_pages = rand(pages, block, kv_heads * head_dim), rand(pages, block, kv_heads * head_dim)
+    for p in range(last + 1, (pages - 2) * block):
+        k_pages[table[1, p // block], p % block] = np.nan
+        v_pages[table[1, p // block], p % block] = np.nan
+    unused = np.setdiff1d(np.arange(pages), table[1])  # pages no sequence holds
+    k_pages[unused], v_pages[unused] = np.nan, np.nan
+    row_of, pos_of = np.array([1], dtype=np.int32), np.array([last], dtype=np.int32)
+    q = rand(1, heads * head_dim)
     attrs = {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "scale": head_dim ** -0.5}
-    written = paged_attention(make_kernel("paged_attention", types, attrs).func, attrs, TARGET.lanes)
-    assert re.findall(r"T\.parallel\((\d+)\)", written.script()) == [str(kv_heads)]
+    inputs = [q, k_pages, v_pages, table, row_of, pos_of]
+    types = [TensorType(a.shape, str(a.dtype)) for a in inputs]
+    target = TARGET if lanes_target == "native" else cpu_target(lanes_target)
+    written = paged_attention(make_kernel("paged_attention", types, attrs).func, attrs, target.lanes)
+    assert re.findall(r"T\.parallel\((\d+)\)", written.script()) == [str(PARTS)]
+    got = run_kernel("paged_attention", inputs, attrs, target)[0]
+    close(got, ref.paged_attention(q, k_pages, v_pages, table, row_of, pos_of, **attrs), tol=1e-4)
 
 
 def test_take_rows():
