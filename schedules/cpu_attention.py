@@ -26,8 +26,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from . import amx_attention, avx512_bf16_attention
-from .cpu_decode_attention import decode_attention, register_budget, slot_base
 from .block_steps import POSITIONS, block_steps, steps
+from .cpu_decode_attention import decode_attention, register_budget, slot_base
 from .vector_math import softmax_exp
 from .written import FLOATS_PER_LINE, horizontal, prefetch
 

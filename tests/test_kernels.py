@@ -16,8 +16,8 @@ from compiler.target import cpu_target
 from ir import OPS, TensorType, infer_types
 from schedules import cpu
 from schedules.cpu_attention import WEIGHTED_POSITIONS, paged_attention
-from schedules.cpu_decode_attention import PARTS
 from schedules.cpu_conv import causal_conv
+from schedules.cpu_decode_attention import PARTS
 from schedules.cpu_delta import delta_rule
 
 TARGET = cpu_target()
