@@ -204,7 +204,7 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
     w_bytes = tvm.DataType(w_buf.dtype).bits // 8
     row_bytes = k * w_bytes
     if prefetching is None:
-        hardware_suffices = 2 * k > STREAM_BYTES if dot else 4 * k + row_bytes <= GEMV_X_BLOCK_BYTES
+        hardware_suffices = _beyond_a_page(k) if dot else 4 * k + row_bytes <= GEMV_X_BLOCK_BYTES
         prefetching = not (target.hardware_prefetch and m == 1 and hardware_suffices)
     run = 1 if blocked else max(p for p in range(1, -(-STREAM_BYTES // row_bytes) + 1) if n % (cols * p) == 0)
     rows_per_task = tiles * cols * run
@@ -313,7 +313,13 @@ def rows_on_dot_products(func: tirx.PrimFunc, target) -> bool:
     2048-deep 0.90-1.00x), while longer rows, which both forms stream without them, go 1.04-1.12x faster on dot
     products (3584 to 5632 deep)."""
     m, k = (int(d) for d in func.params[0].shape)
-    return not (target.hardware_prefetch and m == 1 and 2 * k <= STREAM_BYTES)
+    return not (target.hardware_prefetch and m == 1 and not _beyond_a_page(k))
+
+
+def _beyond_a_page(k: int) -> bool:
+    """Whether a row of k bfloat16 weights is longer than STREAM_BYTES: where the hardware prefetchers stream the
+    dot-product form of `_rows_gemv` without software prefetches, and where `rows_on_dot_products` keeps it."""
+    return 2 * k > STREAM_BYTES
 
 
 def _gemv(sch: s_tir.Schedule, block, lanes: int) -> None:
