@@ -527,7 +527,7 @@ def test_direct_path_refuses_a_barrier_other_than_the_block_one():
         direct_ptx(grid_sync)
 
 
-GRAPH_SCRIPT = """
+GRAPH_SCRIPT = r"""
 import json, re, sys, tvm
 from runtime.cuda import load_cuda_libraries
 from benchmarks.gpu_check import host_launches
