@@ -62,12 +62,12 @@ def assert_chunk_rounded_and_rows_float32(got: np.ndarray, inputs: list[np.ndarr
     """The chunk's rows as the rounded reference (and off the exact one: they really were rounded), every other row
     as float32 attention. A probability within float32 error (the kernel's exp is not numpy's) of a point halfway
     between two bfloat16 values may round the other way, one bfloat16 step (2 ** -8) of that weight: seen up to
-    2.1e-4 of the largest output (most cases under 1e-5), so within 5e-4, where the unrounded attention is 3.5e-3
-    to 6e-3 away."""
+    5.6e-4 of the largest output (6 heads of 48, with the data another selection of tests leaves the shared
+    generator; most cases under 1e-5), so within 1e-3, where the unrounded attention is 3.5e-3 to 6e-3 away."""
     rounded = rounded_attention(*inputs, **attrs)
     exact = ref.paged_attention(*inputs, **attrs)
     top = float(np.abs(exact).max())
-    np.testing.assert_allclose(got[:chunk], rounded[:chunk], rtol=0, atol=5e-4 * top)
+    np.testing.assert_allclose(got[:chunk], rounded[:chunk], rtol=0, atol=1e-3 * top)
     assert np.abs(got[:chunk] - exact[:chunk]).max() > 1e-3 * top
     np.testing.assert_allclose(got[chunk:], exact[chunk:], rtol=0, atol=1e-5 * top)
 
