@@ -27,9 +27,9 @@ from tvm.script import tirx as T
 
 from . import amx_attention, avx512_bf16_attention
 from .block_steps import POSITIONS, block_steps, steps
-from .cpu_decode_attention import decode_attention, register_budget, slot_base
+from .cpu_decode_attention import decode_attention
 from .vector_math import softmax_exp
-from .written import FLOATS_PER_LINE, horizontal, prefetch
+from .written import FLOATS_PER_LINE, horizontal, prefetch, register_budget, slot_base
 
 # Scalars are written inline, never bound by assignment: TVM 0.27 makes such a name a one-element heap buffer that
 # every use stores and reloads.

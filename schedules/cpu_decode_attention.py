@@ -4,9 +4,10 @@ its run's keys and values once, BLOCK positions at a time, for every head; then 
 Tasks split positions rather than KV heads: a position's key (value) row holds every KV head, and a core reading
 whole rows of consecutive positions streams them faster than two cores each reading its KV head's half of every row
 (a sum over the rows of a 4000-position context, Qwen2.5-0.5B's 2 KV heads of 64, from memory on AMD EPYC Zen 4: 33
-against 19 GB/s; in a decode step after a 1024-token prompt, attention 1.2-1.7x faster, docs/performance.md). There are PARTS tasks; TVM hands each thread a run of consecutive ones, so each core streams one
-run of pages. A context too short to give each of them MIN_PART positions uses fewer parts, a power of two, held by
-every PARTS / n-th task so that every thread still gets its share.
+against 19 GB/s; in a decode step after a 1024-token prompt, attention 1.2-1.7x faster, docs/performance.md). There
+are PARTS tasks; TVM hands each thread a run of consecutive ones, so each core streams one run of pages. A context
+too short to give each of them MIN_PART positions uses fewer parts, a power of two, held by every PARTS / n-th task
+so that every thread still gets its share.
 
 A block's keys are scored `lanes` positions at a time for one head: an accumulator per position with the head
 dimension in lanes, whose sums `written.horizontals` turns into one vector of the positions' scores (lanes - 1 adds,
@@ -27,22 +28,11 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .vector_math import softmax_exp
-from .written import FLOATS_PER_LINE, horizontals, prefetch
+from .written import FLOATS_PER_LINE, horizontals, prefetch, register_budget, slot_base
 
 PARTS = 8  # runs of positions of a decode row, a task each: consecutive ones run on the same core
 BLOCK = 32  # positions whose keys and values a part scores and sums at a time (in L1)
 MIN_PART = 2 * BLOCK  # positions of a part at least, where a context is too short for every part
-
-
-def register_budget(lanes: int) -> int:
-    """Accumulator vectors a loop may keep: under half of AVX-512's 32 registers, or of AVX2's 16."""
-    return 14 if lanes >= 16 else 8
-
-
-def slot_base(table, seq, page_size: int, kv_width: int):
-    """base(j): the flat offset of position j's key/value row of sequence `seq` of a paged cache, through its block
-    table (a padded entry, negative, reads page 0)."""
-    return lambda j: T.max(table[seq, j // page_size], 0) * (page_size * kv_width) + j % page_size * kv_width
 
 
 def decode_attention(func: tirx.PrimFunc, attrs: dict, lanes: int) -> tirx.PrimFunc:

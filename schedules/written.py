@@ -42,6 +42,17 @@ def horizontals(vectors: list, lanes: int, combine=operator.add):
     return vectors[0]
 
 
+def register_budget(lanes: int) -> int:
+    """Accumulator vectors a loop may keep: under half of AVX-512's 32 registers, or of AVX2's 16."""
+    return 14 if lanes >= 16 else 8
+
+
+def slot_base(table, seq, page_size: int, kv_width: int):
+    """base(j): the flat offset of position j's key/value row of sequence `seq` of a paged cache, through its block
+    table (a padded entry, negative, reads page 0)."""
+    return lambda j: T.max(table[seq, j // page_size], 0) * (page_size * kv_width) + j % page_size * kv_width
+
+
 def thread_loop(emulate: bool):
     """loop(extent, tag): a loop bound to GPU thread axis `tag`, or, to emulate the kernel on the CPU, a serial one."""
     if emulate:
