@@ -37,14 +37,27 @@ def _placeholders(types: list[TensorType], names: list[str]) -> list:
     return [te.placeholder(t.shape, t.dtype, name=name) for t, name in zip(types, names)]
 
 
+def _weight_parts(t: TensorType, name: str) -> list:
+    """TE placeholders of a weight: the tensor itself, or a packed one's parts (ir.packing)."""
+    names = t.packing.part_names if t.packing is not None else (name,)
+    return [te.placeholder(part.shape, part.dtype, name=n) for part, n in zip(t.parts(), names)]
+
+
 def _f32(x):
     return x if x.dtype == F32 else x.astype(F32)
 
 
 def embedding(types, attrs) -> Kernel:
-    table, ids = _placeholders(types, ["table", "ids"])
-    y = te.compute((ids.shape[0], table.shape[1]), lambda i, h: _f32(table[ids[i], h]), name="embedding")
-    return Kernel(te.create_prim_func([table, ids, y]))
+    """The table's rows of the ids, as float32; a packed (ir.packing) table's unpacked from its parts."""
+    table_type, ids_type = types
+    parts = _weight_parts(table_type, "table")
+    (ids,) = _placeholders([ids_type], ["ids"])
+    row = _unpacked(table_type.packing, parts)
+    paired = table_type.packing is not None and table_type.packing.paired  # rows in the layout's column order
+    y = te.compute((ids.shape[0], table_type.shape[1]),
+                   lambda i, h: row(pair_index(ids[i], int(parts[0].shape[2])) if paired else ids[i], h),
+                   name="embedding")
+    return Kernel(te.create_prim_func([*parts, ids, y]))
 
 
 def _normalize(x, w, attrs):
@@ -73,8 +86,7 @@ def linear(types, attrs) -> Kernel:
     """x @ W.T (+ bias) of a float or packed (ir.packing) weight W [out, in]; a packed one takes its parts."""
     x_type, w_type, *bias_type = types
     x, *bias = _placeholders([x_type, *bias_type], ["x", "bias"])
-    names = w_type.packing.part_names if w_type.packing is not None else ("weight",)
-    w_parts = [te.placeholder(t.shape, t.dtype, name=n) for t, n in zip(w_type.parts(), names)]
+    w_parts = _weight_parts(w_type, "weight")
     weight = _unpacked(w_type.packing, w_parts)
     if w_type.packing is not None:  # a stage of its own, so a schedule can unpack a tile for many rows (or inline it)
         unpacked = te.compute(w_type.shape, weight, name=stages.DEQUANT)

@@ -49,7 +49,8 @@ def _count(t: TensorType, what: str) -> None:
 
 def _embedding(ins, attrs):
     table, ids = ins
-    _check(table.dtype in FLOAT_DTYPES and len(table.shape) == 2, f"embedding table must be a float matrix, got {table}")
+    _check(len(table.shape) == 2, f"embedding table must be a float matrix, got {table}")
+    _weight(table, table.shape, "embedding table", packed=True)  # packed: its rows unpacked as they are looked up
     _check(ids.dtype == "int32" and len(ids.shape) == 1, f"embedding ids must be int32 of rank 1, got {ids}")
     return [TensorType((ids.shape[0], table.shape[1]), "float32")]
 

@@ -3,11 +3,12 @@ the loaders need from them: a config.json-like dict, the tensors under Hugging F
 
     MODEL_DIR/NAME.gguf    one GGUF file and no config.json: the model, its tokenizer and its chat template
 
-Tensors stored as F32, F16 or BF16 are used as they are. Projections stored in an integer type (all block types but
-Q2_K and Q3_K) stay packed: the model is an AWQ INT4 one of group 32 (its quantization_config says so, naming the
-projections stored otherwise as not converted, and those packed otherwise than Q4_0's plain AWQ INT4, with float
-offsets or as two planes, in `packed_modules`), each such projection's parts repacked from the same bits at load
-(models.ggml_types.int4_part). The other block tensors (Q2_K, Q3_K, and every type outside the projections) are
+Tensors stored as F32, F16 or BF16 are used as they are. Projections, the embedding and the head stored in an
+integer type (all block types but Q2_K and Q3_K) stay packed: the model is an AWQ INT4 one of group 32 (its
+quantization_config says so, naming the projections stored otherwise as not converted, and in `packed_modules` those
+packed otherwise than Q4_0's plain AWQ INT4, with float offsets or as two planes, and the embedding and head), each
+such weight's parts repacked from the same bits at load (models.ggml_types.int4_part); the embedding's rows are
+unpacked as they are looked up. The other block tensors (Q2_K, Q3_K, and the other weights' types) are
 dequantised when the weights are loaded, to the values llama.cpp computes, rounded to float16 (BLOCK_DTYPE: half the
 bytes of float32 for every decode step to read, within 2^-11 of each value, some 40x finer than llama.cpp's own
 rounding of the activations for its quantised products). Llama's q and k rows, which llama.cpp's converter interleaves for its
@@ -42,6 +43,7 @@ _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: n
           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
+VOCABULARY_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")  # packed too where stored in an integer type
 _LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
                 "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -221,11 +223,16 @@ def _hf_name(name: str) -> str:
     return name
 
 
+def _packable(hf_name: str) -> bool:
+    """Whether a weight is one the INT4 kernels may read packed: a projection, the embedding or the head."""
+    return hf_name.endswith(PROJECTION) or hf_name in VOCABULARY_MATRICES
+
+
 def _packed(gguf: GgufFile) -> dict[str, Packing]:
-    """The projections (GGUF names) stored in an integer type that the INT4 kernels read as they are (shape
-    permitting), and their packing (models.ggml_types.INT_TYPES)."""
+    """The projections, embedding and head (GGUF names) stored in an integer type that the INT4 kernels read as they
+    are (shape permitting), and their packing (models.ggml_types.INT_TYPES)."""
     packings = {name: Packing(*INT_TYPES[entry.encoding][:3]) for name, entry in gguf.tensors.items()
-                if entry.encoding in INT_TYPES and _hf_name(name).endswith(PROJECTION)}
+                if entry.encoding in INT_TYPES and _packable(_hf_name(name))}
     return {name: p for name, p in packings.items() if p.problem(gguf.tensors[name].shape) is None}
 
 
@@ -275,8 +282,9 @@ def gguf_config(gguf: GgufFile) -> dict:
         module = lambda name: _hf_name(name).removesuffix(".weight")  # noqa: E731
         others = sorted(module(name) for name in gguf.tensors
                         if name not in packed and _hf_name(name).endswith(PROJECTION))
-        group = INT_TYPES["Q4_0"][1]  # the plain AWQ INT4 packing; the others each name their own
-        own = {module(name): p for name, p in sorted(packed.items()) if p != Packing("awq_int4", group)}
+        group = INT_TYPES["Q4_0"][1]  # the plain AWQ INT4 packing of projections; the others each name their own
+        own = {module(name): p for name, p in sorted(packed.items())
+               if p != Packing("awq_int4", group) or not _hf_name(name).endswith(PROJECTION)}
         config["quantization_config"] = awq_config(group, tuple(others), own)
     return config
 

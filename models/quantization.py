@@ -27,7 +27,8 @@ PROJECTION = "_proj.weight"  # the decoder's linear projections (q/k/v/o, gate/u
 class AwqQuantization:
     """A validated AWQ `quantization_config`: group size (-1: one group per input width), the modules left
     unquantised (a module whose name contains one of them keeps its float weight, as transformers reads it), and
-    the modules packed otherwise than AWQ INT4 of that group (`packed_modules`, exact names)."""
+    the modules packed otherwise than AWQ INT4 of that group, or packed though not projections (`packed_modules`, exact
+    names: a GGUF file's embedding and head)."""
 
     group_size: int
     modules_to_not_convert: tuple[str, ...] = ()
@@ -40,10 +41,10 @@ class AwqQuantization:
     def packing(self, weight: str, in_features: int) -> Packing | None:
         """How the checkpoint stores `module.weight` (of `in_features` input rows): its packing, or None (float)."""
         module = weight.removesuffix(".weight")
-        if not weight.endswith(PROJECTION) or any(skip in module for skip in self.modules_to_not_convert):
-            return None
-        own = dict(self.packed_modules).get(module)
-        return own or Packing("awq_int4", in_features if self.group_size == -1 else self.group_size)
+        own = dict(self.packed_modules).get(module)  # named: packed so, a projection or not (a GGUF file's head)
+        if own or not weight.endswith(PROJECTION) or any(skip in module for skip in self.modules_to_not_convert):
+            return own
+        return Packing("awq_int4", in_features if self.group_size == -1 else self.group_size)
 
 
 def awq_config(group: int, modules_to_not_convert: tuple[str, ...] = (),

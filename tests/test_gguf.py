@@ -21,7 +21,7 @@ from compiler.build import build
 from models.checkpoint import CheckpointError, read_tensor, scan_checkpoint
 from models.config import ModelConfigError
 from models.ggml_types import BLOCK_TYPES, INT_TYPES, dequantise, int4_part, rope_rows_in_order
-from models.gguf import GgufFile
+from models.gguf import VOCABULARY_MATRICES, GgufFile
 from models.tiny import write_tiny_checkpoint
 from runtime import CompiledModel, GreedyGenerationConfig, load_pipeline
 from runtime.gguf_tokenizer import gguf_tokenizer
@@ -121,22 +121,23 @@ def _stored_values(entries, name: str) -> np.ndarray:
     return planes_summed((affine_dequantise if affine else awq_dequantise)(*arrays), group, planes)
 
 
-def test_integer_projections_run_packed_in_the_int4_kernels(case):
-    """A file with projections of an integer block type is an INT4 model: its projections are packed params (AWQ's
-    zero points, or float offsets; two planes for 5-, 6- and 8-bit values), everything else the file's values;
-    other types hold every weight as values."""
+def test_integer_weights_run_packed_in_the_int4_kernels(case):
+    """A file with projections of an integer block type is an INT4 model: its projections, embedding and head are
+    packed params (AWQ's zero points, or float offsets; two planes for 5-, 6- and 8-bit values; the embedding's rows
+    unpacked as they are looked up), everything else the file's values; other types hold every weight as values."""
     ours, _, qtype, _ = case
     packings = {p.name: p.packing for p in ours.manifest.params}
     words = sum(str(a.dtype) == "int32" for a in ours._params)  # what the runtime holds: packed words and zeros
     if qtype not in PACKED:
         assert ours.manifest.quantization is None and not any(packings.values()) and words == 0
         return
-    projections = [name for name in packings if name.endswith("_proj.weight")]
+    packed = [name for name in packings if name.endswith("_proj.weight") or name in VOCABULARY_MATRICES]
+    assert {"model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight"} < set(packed)
+    assert ours.config.tie_word_embeddings or "lm_head.weight" in packed
     kind, group, planes, _ = INT_TYPES[qtype]
-    assert projections and all(packings[name] == str(Packing(f"{kind}_pairs", group, planes)) for name in projections)
-    assert ours.manifest.quantization.packed_params == len(projections)
-    assert words == (1 if kind.startswith("affine") else 2) * len(projections)
-    assert not packings["model.embed_tokens.weight"]
+    assert all(packings[name] == str(Packing(f"{kind}_pairs", group, planes)) for name in packed)
+    assert ours.manifest.quantization.packed_params == len(packed)
+    assert words == (1 if kind.startswith("affine") else 2) * len(packed)
 
 
 def test_gguf_tokenizer_and_chat_template_are_the_checkpoints(case):
@@ -166,7 +167,8 @@ def test_a_file_of_mixed_types_packs_each_projection_its_way(tmp_path):
     config = models.load_config(path.parent)
     layers = range(config.num_hidden_layers)
     assert config.quantization.modules_to_not_convert == ("model.layers.1.self_attn.o_proj",)
-    assert dict(config.quantization.packed_modules) == {
+    assert dict(config.quantization.packed_modules) == {  # and the tied Q4_0 embedding, named: not a projection
+        "model.embed_tokens": Packing("awq_int4", 32)} | {
         f"model.layers.{i}.mlp.{name}": packing for i in layers
         for name, packing in (("gate_proj", Packing("affine_int4", 32)), ("down_proj", Packing("awq_int4", 32, 2)))}
     artifact = build(path.parent, out=tmp_path / "artifact", prefill_buckets=(8,), max_context=64, quiet=True).path
