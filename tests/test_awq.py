@@ -191,6 +191,28 @@ def test_packed_linear_kernel_matches_numpy(rows, bias, out, layout):
     np.testing.assert_allclose(y.numpy(), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout != "cpu-avx2"])
+def test_packed_embedding_rows_match_numpy(layout):
+    """A packed table's rows looked up by id (a GGUF file's embedding), each layout, against the independent
+    dequantiser: ids in every column tile and every slot of a word, repeated and out of order."""
+    kind, _, planes = LAYOUTS[layout]
+    packing, out, inp = Packing(kind, 64, planes), 384, 256
+    rng = np.random.default_rng(3)
+    qweight, qzeros, scales = awq_quantize(rng.standard_normal((out, planes * inp)).astype(np.float32) / 16,
+                                           packing.group)
+    offsets = (rng.standard_normal(scales.shape) / 8).astype(np.float16)
+    ids = np.array([383, 0, 17, 17, 200, 129, 64, 255, 1, 8], np.int32)
+    target = cpu_target()
+    func = make_kernel("embedding", [TensorType((out, inp), "float16", packing), TensorType(ids.shape, "int32")],
+                       {}).func
+    lib = tvm.compile(schedule(func, "embedding", {}, target), target.tvm_target())
+    stored = [qweight, offsets if packing.affine else qzeros, scales]
+    y = tvm.runtime.empty((len(ids), inp), "float32")
+    lib["main"](*[tvm.runtime.tensor(a) for a in (*TRANSFORMS[packing.transform](stored), ids)], y)
+    weight = planes_summed((affine_dequantise if packing.affine else dequantise)(*stored), packing.group, planes)
+    np.testing.assert_allclose(y.numpy(), weight[ids], rtol=1e-6, atol=1e-7 * np.abs(weight).max())
+
+
 @pytest.mark.parametrize("mcpu", [None, "x86-64-v3", "skylake-avx512", "znver4"])
 def test_integer_pair_dot_products_are_the_instructions_used(mcpu):
     """The decode kernel multiplies 16-bit pairs: vpdpwssd where the CPU has AVX512-VNNI, else pmaddwd."""
