@@ -181,7 +181,10 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
     which reads 128 bytes a step, for rows longer than STREAM_BYTES, a page, which a prefetcher that stops at page
     ends enters cold row after row (2048 x 5632: 54.9 GB/s against 40.8 with them; 2048-deep rows of one page 36.3
     against 31.9 without, 896-deep ones 56.1 against 29.3); `prefetching` overrides that choice
-    (benchmarks.decode_products).
+    (benchmarks.decode_products). One x row of float16 weights takes four accumulators there: without prefetches
+    LLVM unrolls the depth loop whole, and at depth 896 it scheduled that code with the weights read out of order and
+    widened values spilled to the stack (0.48-0.81 of numpy's rate from memory, against 1.00-1.12 with four;
+    512 to 1152 deep otherwise within 4% either way).
     Schedule primitives cannot insert prefetches, so this loop nest is written out; it computes the sums of
     `compiler.kernels.linear` in another order.
     """
@@ -191,6 +194,8 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
     dot = dot_ir is not None
     pair = 2 if dot else 1  # depth elements per lane of a step's product
     halves = 2 if m == 1 else 1  # one row: two accumulators per weight row, to hide the FMA latency
+    if m == 1 and not dot and w_buf.dtype == "float16" and target.hardware_prefetch and k % (4 * lanes) == 0:
+        halves = 4  # see the docstring: float16 rows on Zen 4
     step = halves * lanes * pair
     budget = target.gemv_accumulators
     if m > GEMV_MAX_ROWS or k % step or (m == 1 and w_buf.dtype not in ("bfloat16", "float16")) or \

@@ -66,6 +66,24 @@ def test_one_row_products_leave_prefetching_to_the_hardware_only_where_it_suffic
     assert ("llvm.prefetch" in written.script()) == prefetches
 
 
+@pytest.mark.parametrize("mcpu,dtype,halves", [("znver4", "float16", 4), ("znver4", "bfloat16", 2),
+                                               ("znver5", "float16", 2), ("sapphirerapids", "float16", 2)])
+def test_one_float16_row_takes_four_accumulators_where_its_depth_loop_has_no_prefetches(mcpu, dtype, halves):
+    """On Zen 4 (no software prefetches in a one-row product of 896-deep rows) one x row of float16 weights is
+    summed into four accumulators a weight row, and still matches numpy; other dtypes and CPUs keep two."""
+    target = cpu_target(mcpu)
+    x = RNG.standard_normal((1, 896)).astype(np.float32)
+    w = (RNG.standard_normal((256, 896)) / 30).astype(NP_DTYPES[dtype])
+    kernel = make_kernel("linear", [TensorType(x.shape, "float32"), TensorType(w.shape, dtype)], {})
+    written = cpu._rows_gemv(kernel.func, target)
+    assert f"acc = T.alloc_buffer((1, 1, {halves}, {target.lanes}))" in written.script()
+    if mcpu == "znver4":
+        lib = tvm.compile(cpu.schedule(kernel.func, "linear", {}, target), target.tvm_target())
+        out = tvm.runtime.empty((1, 256), "float32", tvm.cpu())
+        lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(w), out)
+        np.testing.assert_allclose(out.numpy(), x.astype(np.float64) @ w.astype(np.float64).T, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("mcpu,accumulators,tile", [
     ("znver4", 8, "(4, 2, 1, 16)"),  # 512-bit FMAs as two halves: 4 x rows by 2 weight rows
     ("znver5", 16, "(4, 4, 1, 16)"), ("sapphirerapids", 16, "(4, 4, 1, 16)"),
