@@ -1,6 +1,7 @@
 """Our build of a llama.cpp GGUF file beside llama.cpp on the same file: tokens, logits, greedy text and speed.
 
     python -m benchmarks.gguf_peer --shape qwen2.5-0.5b,tinyllama-1.1b --quant f16,q8_0,q4_k_m --work DIR
+    python -m benchmarks.gguf_peer --shape tinyllama-1.1b --quant q4_0 --matmul-precision bfloat16 --work DIR
 
 The GGUF files come from llama.cpp's own converter (F16) and quantiser (the other types) run on a random
 real-shape checkpoint, so the files are what users download: llama.cpp's tensor names and types (Q4_K_M mixes
@@ -26,6 +27,7 @@ from benchmarks.checkpoints import SHAPES, real_shape_checkpoint
 from benchmarks.gguf_convert import QUANT_TYPES, gguf_file, quantized_gguf
 from benchmarks.host import cpu_description
 from compiler.build import build
+from compiler.options import MATMUL_PRECISIONS
 from runtime import CompiledModel, GreedyGenerationConfig, generate
 from runtime.tokenizer import Tokenizer
 
@@ -45,12 +47,14 @@ def model_dir_of(gguf: Path) -> Path:
     return folder
 
 
-def compare(gguf: Path, work: Path, runs: int) -> dict:
-    """The figures of one GGUF file (see the module docstring)."""
+def compare(gguf: Path, work: Path, runs: int, matmul_precision: str = "float32") -> dict:
+    """The figures of one GGUF file (see the module docstring), ours built with `matmul_precision` products."""
     import llama_cpp
 
     model_dir = model_dir_of(gguf)
-    built = build(model_dir, out=work / f"{gguf.stem}.llvm", prefill_buckets=(16, 64), max_context=256, quiet=True)
+    suffix = "" if matmul_precision == "float32" else f".{matmul_precision}"
+    built = build(model_dir, out=work / f"{gguf.stem}{suffix}.llvm", prefill_buckets=(16, 64), max_context=256,
+                  matmul_precision=matmul_precision, quiet=True)
     ours = CompiledModel(model_dir, built.path)
     llm = llama_cpp.Llama(str(gguf), n_ctx=256, n_batch=64, n_ubatch=64, n_threads=THREADS,
                           n_threads_batch=THREADS, verbose=False)
@@ -123,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=3, help="decode timings per engine, alternating (default 3)")
     parser.add_argument("--work", required=True, help="directory for checkpoints, GGUF files and artifacts (reused)")
     parser.add_argument("--llama-cpp-src", help="unpacked llama-cpp-python sdist or llama.cpp tree with the converter")
+    parser.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="float32",
+                        help="our build's products (as `python -m compiler build`; default float32)")
     args = parser.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -132,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
         for quant in args.quant.split(","):
             gguf = gguf_file(checkpoint, "f16", work, args.llama_cpp_src) if quant == "f16" else \
                 quantized_gguf(checkpoint, quant, work, args.llama_cpp_src)
-            print(json.dumps({"shape": shape, "quant": quant, **compare(gguf, work, args.runs)}), flush=True)
+            print(json.dumps({"shape": shape, "quant": quant, "matmul_precision": args.matmul_precision,
+                              **compare(gguf, work, args.runs, args.matmul_precision)}), flush=True)
 
 
 if __name__ == "__main__":
