@@ -40,7 +40,9 @@ Planes (`Packing.planes` > 1; a GGUF file's 5-, 6- and 8-bit blocks): a wider va
 q = 16 h + l, so W[o, i] = (h - z_h) * 16 s + (l - z_l) * s (or with offsets), exactly; each plane is one more
 group of packed rows, group after group: packed group g * planes + p holds plane p of the logical group g (the high
 plane first). The packed matrix has planes * in rows, and a kernel reads x[i] for each of its planes' rows
-(`logical_row`): the words, zero points and scales stay those of a plain 4-bit weight.
+(`logical_row`): the words, zero points and scales stay those of a plain 4-bit weight. Two planes always hold one
+wider value so (the high plane's scale 16 times the low one's, its zero point Z // 16 and the low one's Z % 16), and
+a kernel may unpack 16 h + l as one value (schedules.avx512_bf16.dpbf16_awq_gemm).
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 
 from tvm import tirx
@@ -155,15 +156,42 @@ def nibble_pairs(table, words, n):
             T.broadcast(T.uint32(PAIR_MASK), lanes)))))
 
 
-def group_product(zeros, scales, task, g, n, word, tile: int, sum_xq, sum_x):
+def byte_pairs(high, low, n):
+    """Nibble n of PAIR_ROWS words of a weight's two planes (ir.packing: `high` and `low`, the same rows of its high
+    and low plane) as the pairs of exact bfloat16 of their values 16 h + l (0..255, exact in bfloat16's 8 bits)."""
+    lanes = PAIR_ROWS
+
+    def nibbles(words):  # each 16-bit half: its 4-bit value
+        return T.bitwise_and(T.shift_right(T.reinterpret(f"uint32x{lanes}", words), T.broadcast(
+            T.uint32(4) * T.Cast("uint32", n), lanes)), T.broadcast(T.uint32(PAIR_MASK), lanes))
+
+    values = T.bitwise_or(T.shift_left(nibbles(high), T.broadcast(T.uint32(4), lanes)), nibbles(low))
+
+    def bf16_of(half):  # the float32 of each 16-bit value (exact), its bits
+        return T.reinterpret(f"uint32x{lanes}", T.Cast(f"float32x{lanes}", T.Cast(f"int32x{lanes}", half)))
+
+    return T.bitwise_or(T.shift_right(bf16_of(T.bitwise_and(values, T.broadcast(T.uint32(0xFFFF), lanes))),
+                                      T.broadcast(T.uint32(16), lanes)),
+                        T.bitwise_and(bf16_of(T.shift_right(values, T.broadcast(T.uint32(16), lanes))),
+                                      T.broadcast(T.uint32(0xFFFF0000), lanes)))
+
+
+def group_product(zeros, scales, task, g, n, word, tile: int, sum_xq, sum_x, planes: int = 1):
     """A group's sum of x * W[column] for the column of word `word` in nibble n of column tile `task` (the pairs
     layout, ir.packing), from x's sum with the 4-bit values (sum_xq) and x's own sum (sum_x): s * (sum_xq - z *
-    sum_x) with AWQ zero points, s * sum_xq + m * sum_x with an affine kind's offsets (`zeros` of a float dtype)."""
-    at = pair_scale(pair_order(task, n, word, tile), g, tile)
+    sum_x) with AWQ zero points, s * sum_xq + m * sum_x with an affine kind's offsets (`zeros` of a float dtype).
+    With two `planes`, g is a group of x and sum_xq its sum with the values 16 h + l (`byte_pairs`): s is the low
+    plane's scale (the high plane's is 16 s: ir.packing), z = 16 z_h + z_l, m the planes' offsets summed."""
+    at = pair_scale(pair_order(task, n, word, tile), g * planes + planes - 1, tile)
     if zeros.dtype != "int32":
-        return T.Cast("float32", scales[at]) * sum_xq + T.Cast("float32", zeros[at]) * sum_x
-    return T.Cast("float32", scales[at]) * (sum_xq - sum_x * T.Cast("float32", pair_value(zeros[task, g // 2, word],
-                                                                                           g, n)))
+        offset = functools.reduce(operator.add, (T.Cast("float32", zeros[pair_scale(
+            pair_order(task, n, word, tile), g * planes + p, tile)]) for p in range(planes)))
+        return T.Cast("float32", scales[at]) * sum_xq + offset * sum_x
+    if planes == 2:  # the row pair of packed groups 2g (high: its even row) and 2g + 1 (low: its odd row)
+        zero = pair_value(zeros[task, g, word], 0, n) * 16 + pair_value(zeros[task, g, word], 1, n)
+    else:
+        zero = pair_value(zeros[task, g // 2, word], g, n)
+    return T.Cast("float32", scales[at]) * (sum_xq - sum_x * T.Cast("float32", zero))
 
 
 def packed_weight(func: tirx.PrimFunc) -> bool:

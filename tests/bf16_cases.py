@@ -97,9 +97,12 @@ def awq_product_case(rng, rows: int, depth: int, cols: int, group: int, bias: st
     the product in float64 with x rounded to bfloat16 and the weights exact): one group of x far larger than the
     rest, so a per-group sum of x that went wrong shows."""
     packing = Packing(kind, group, planes)
-    weight = (rng.standard_normal((cols, planes * depth)) / 16).astype(np.float32)
-    qweight, qzeros, scales = awq_quantize(weight, group)
-    stored = [qweight, (rng.standard_normal(scales.shape) / 8).astype(np.float16) if packing.affine else qzeros, scales]
+    if planes == 2:
+        stored = ref.two_plane_parts(rng, cols, depth, group, packing.affine)
+    else:
+        qweight, qzeros, scales = awq_quantize((rng.standard_normal((cols, depth)) / 16).astype(np.float32), group)
+        stored = [qweight, (rng.standard_normal(scales.shape) / 8).astype(np.float16) if packing.affine else qzeros,
+                  scales]
     x = rng.standard_normal((rows, depth)).astype(np.float32)
     x[:, :group] *= 3e2
     b = rng.standard_normal(cols).astype(bias) if bias else None

@@ -271,3 +271,27 @@ def dequantise(qweight, qzeros, scales) -> np.ndarray:
     group = qweight.shape[0] // scales.shape[0]
     q, z = unpack(qweight, columns), np.repeat(unpack(qzeros, columns), group, axis=0)
     return np.ascontiguousarray(((q - z) * np.repeat(scales.astype(np.float32), group, axis=0)).T)
+
+
+def pack(values: np.ndarray) -> np.ndarray:
+    """[rows, columns] 4-bit values -> [rows, columns / 8] int32 words (the inverse of `unpack`)."""
+    words = np.zeros((values.shape[0], values.shape[1] // 8), np.uint32)
+    for c in range(values.shape[1]):
+        words[:, c // 8] |= values[:, c].astype(np.uint32) << np.uint32(4 * DOCUMENTED_ORDER.index(c % 8))
+    return words.view(np.int32)
+
+
+def two_plane_parts(rng, columns: int, depth: int, group: int, affine: bool) -> list[np.ndarray]:
+    """The stored parts (qweight, qzeros or offsets, scales) of a random [columns, depth] weight of 8-bit values u =
+    16 h + l as two planes (ir.packing): each group's high plane (h, zero point Z // 16 or the offset, scale 16 s)
+    then its low plane (l, zero point Z % 16 or no offset, scale s)."""
+    groups = depth // group
+    u = rng.integers(0, 256, (groups, group, columns))
+    s = (rng.uniform(0.5, 1.5, (groups, columns)) / 256).astype(np.float16)
+    qweight = pack(np.stack([u >> 4, u & 15], axis=1).reshape(2 * depth, columns))
+    scales = np.stack([s * np.float16(16), s], axis=1).reshape(2 * groups, columns)
+    if affine:
+        m = (rng.standard_normal((groups, columns)) / 8).astype(np.float16)
+        return [qweight, np.stack([m, np.zeros_like(m)], axis=1).reshape(2 * groups, columns), scales]
+    z = rng.integers(0, 256, (groups, columns))
+    return [qweight, pack(np.stack([z >> 4, z & 15], axis=1).reshape(2 * groups, columns)), scales]

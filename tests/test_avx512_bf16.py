@@ -108,11 +108,12 @@ def test_kernel_matches_numpy_on_rounded_activations(rows, depth, cols, bias):
     (48, 128, 64, 16),  # 3 token vectors, one a tile; groups of 16
 ])
 @pytest.mark.parametrize("bias", [None, "float16"])
-@pytest.mark.parametrize("kind,planes", [("awq_int4_pairs", 1), ("affine_int4_pairs", 1), ("awq_int4_pairs", 2)])
+@pytest.mark.parametrize("kind,planes", [("awq_int4_pairs", 1), ("affine_int4_pairs", 1), ("awq_int4_pairs", 2),
+                                         ("affine_int4_pairs", 2)])
 def test_awq_products_are_exact_in_the_weights(rows, depth, cols, group, bias, kind, planes):
     """AWQ prefill on dot products: the 4-bit values enter as their exact bfloat16, zero points (or an affine
     kind's offsets) and scales are applied per group in float32, so only the activations are rounded; a weight of
-    planes sums each group's planes."""
+    two planes enters as its 8-bit values 16 h + l, exact too."""
     kernel, inputs, want = awq_product_case(RNG, rows, depth, cols, group, bias, kind, planes)
     got = run(dpbf16_awq_gemm(kernel, PORTABLE_DOT), inputs, rows, cols)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * float(np.abs(want).max()))
