@@ -151,21 +151,22 @@ def nibble_pairs(table, words, n):
     lanes = PAIR_ROWS
     return T.reinterpret(f"uint32x{lanes}", T.call_llvm_pure_intrin(
         f"uint16x{2 * lanes}", "llvm.x86.avx512.permvar.hi.512", table[T.ramp(0, 1, 2 * lanes)],
-        T.reinterpret(f"uint16x{2 * lanes}", T.bitwise_and(T.shift_right(
-            T.reinterpret(f"uint32x{lanes}", words), T.broadcast(T.uint32(4) * T.Cast("uint32", n), lanes)),
-            T.broadcast(T.uint32(PAIR_MASK), lanes)))))
+        T.reinterpret(f"uint16x{2 * lanes}", _pair_nibbles(words, n))))
+
+
+def _pair_nibbles(words, n):
+    """Nibble n of PAIR_ROWS words of the pairs layout as a uint32 vector: each 16-bit half its 4-bit value."""
+    lanes = PAIR_ROWS
+    return T.bitwise_and(T.shift_right(T.reinterpret(f"uint32x{lanes}", words), T.broadcast(
+        T.uint32(4) * T.Cast("uint32", n), lanes)), T.broadcast(T.uint32(PAIR_MASK), lanes))
 
 
 def byte_pairs(high, low, n):
     """Nibble n of PAIR_ROWS words of a weight's two planes (ir.packing: `high` and `low`, the same rows of its high
     and low plane) as the pairs of exact bfloat16 of their values 16 h + l (0..255, exact in bfloat16's 8 bits)."""
     lanes = PAIR_ROWS
-
-    def nibbles(words):  # each 16-bit half: its 4-bit value
-        return T.bitwise_and(T.shift_right(T.reinterpret(f"uint32x{lanes}", words), T.broadcast(
-            T.uint32(4) * T.Cast("uint32", n), lanes)), T.broadcast(T.uint32(PAIR_MASK), lanes))
-
-    values = T.bitwise_or(T.shift_left(nibbles(high), T.broadcast(T.uint32(4), lanes)), nibbles(low))
+    values = T.bitwise_or(T.shift_left(_pair_nibbles(high, n), T.broadcast(T.uint32(4), lanes)),
+                          _pair_nibbles(low, n))
 
     def bf16_of(half):  # the float32 of each 16-bit value (exact), its bits
         return T.reinterpret(f"uint32x{lanes}", T.Cast(f"float32x{lanes}", T.Cast(f"int32x{lanes}", half)))
