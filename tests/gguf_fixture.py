@@ -12,6 +12,7 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from ir import Packing
 from models.ggml_types import BLOCK_TYPES, INT_TYPES
 from models.gguf import VOCABULARY_MATRICES
 from models.quantization import PROJECTION
@@ -44,7 +45,8 @@ def write_gguf(model_dir: Path, out_dir: Path, qtype: str = "F16", *, rope_freqs
     block type: the K-quants as random blocks, not the checkpoint's values), 1-D ones F32; `metadata` overrides or
     adds keys (None values remove them); `types` maps name suffixes to the type of the weights so named instead. With `reference`, also a float32 Hugging Face checkpoint there holding the
     values the GGUF stores (as gguf-py dequantises them; a block type's rounded to float16, as our loader holds
-    them, except PACKED projections, embeddings and heads, which the INT4 kernels read as they are)."""
+    them, except PACKED projections, embeddings and heads of a shape a packing takes, which the INT4 kernels read as
+    they are)."""
     config = json.loads((model_dir / "config.json").read_text())
     arch = config["model_type"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -80,7 +82,8 @@ def write_gguf(model_dir: Path, out_dir: Path, qtype: str = "F16", *, rope_freqs
         w = np.asarray(w, np.float32)
         own = next((t for suffix, t in (types or {}).items() if name.endswith(suffix)), qtype) if w.ndim == 2 else "F32"
         data, kind, values = _encode(w, own, rng)
-        packed = own in PACKED and (name.endswith(PROJECTION) or name in VOCABULARY_MATRICES)
+        packed = own in PACKED and (name.endswith(PROJECTION) or name in VOCABULARY_MATRICES) and \
+            Packing(*INT_TYPES[own][:3]).problem(w.shape) is None
         decoded = own in BLOCKS and not packed
         stored[name] = values.astype(np.float16).astype(np.float32) if decoded else values
         if arch == "llama" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):

@@ -184,6 +184,21 @@ def test_a_file_of_mixed_types_packs_each_projection_its_way(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("ptxas") is None, reason="no CUDA toolkit installed")
+def test_a_vocabulary_no_packing_takes_stays_float16_beside_packed_projections(tmp_path):
+    """A Q4_0 file whose 322-row embedding and head do not split into 8-column words (ir.packing): they are held
+    decoded to float16, the projections packed, and the model runs as transformers runs the stored values."""
+    model_dir = write_tiny_checkpoint(tmp_path / "hf", arch="llama", tie_word_embeddings=False, vocab_size=322,
+                                      seed=14)
+    path = write_gguf(model_dir, tmp_path / "gguf", "Q4_0", reference=tmp_path / "reference")
+    artifact = build(path.parent, out=tmp_path / "artifact", prefill_buckets=(8,), max_context=64, quiet=True).path
+    ours = CompiledModel(path.parent, artifact)
+    packings = {p.name: p.packing for p in ours.manifest.params}
+    assert not packings["model.embed_tokens.weight"] and not packings["lm_head.weight"]
+    assert packings["model.layers.0.mlp.down_proj.weight"] == "awq_int4_pairs(g32)"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "reference", dtype=torch.float32).eval()
+    assert_steps_match(ours, hf, [5, 17, 2, 9, 321], 4)
+
+
 def test_a_4_bit_gguf_model_builds_for_cuda(tmp_path):
     """Q4_0's zero points, Q4_1's offsets and Q8_0's planes as the GPU kernels read them (column tiles): the model
     builds for CUDA and ptxas accepts every kernel."""
