@@ -136,12 +136,13 @@ GEMV_TASK_ROWS = 16  # several x rows: weight rows per task, passed over depth b
 STREAM_BYTES = 4096  # bytes of consecutive weights each stream of a one-pass product reads at least, if it can
 
 
-def gemv_tile(m: int, n: int, k: int, halves: int, budget: int, x_bytes: int = 4) -> tuple[bool, int, int]:
+def gemv_tile(m: int, n: int, k: int, halves: int, budget: int, x_bytes: int = 4,
+              w_bytes: int = 2) -> tuple[bool, int, int]:
     """(blocked, x rows per group, weight rows per tile) of `_rows_gemv` for m x rows of depth k (`x_bytes` an
-    element) and n weight rows, `halves` accumulators per product and at most `budget` accumulators: blocked when
-    the x rows outgrow L1; one weight row a tile (one stream of weights) while they fit, else the tile with the
-    fewest loads per product."""
-    blocked = m > 1 and m * k * x_bytes > GEMV_L1_BYTES and n % GEMV_TASK_ROWS == 0
+    element) and n weight rows (`w_bytes` an element), `halves` accumulators per product and at most `budget`
+    accumulators: blocked when the x rows outgrow L1 (one x row: with the weight row it meets); one weight row a
+    tile (one stream of weights) while they fit, else the tile with the fewest loads per product."""
+    blocked = m * k * x_bytes + (k * w_bytes if m == 1 else 0) > GEMV_L1_BYTES and n % GEMV_TASK_ROWS == 0
     group, cols = min(((g, c) for g in range(1, m + 1) for c in ((4, 2, 1) if blocked else (1,))
                        if m % g == 0 and n % c == 0 and g * c * halves <= budget),
                       key=lambda gc: ((gc[0] + gc[1]) / (gc[0] * gc[1]), -gc[0]))
@@ -162,11 +163,13 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
     per product, streamed [4864, 896] bf16 from memory at 28 GB/s with one x row and 13 with eight, against 32.5 and
     17 for one stream (two threads, the Xeon of docs/performance.md). Rows shorter than STREAM_BYTES go in runs of
     consecutive rows per task, so each prefetch reaches that far ahead. The groups take turns over a tile's weights,
-    which stay in L1, so up to GEMV_MAX_ROWS rows fit whatever the register count. When the x rows outgrow L1, a
-    task holds GEMV_TASK_ROWS weight rows and passes over them one depth block at a time, so the block's slice of x
-    stays in L1 for all of them (the partial sums wait in memory between blocks); its tile is then the shape with
-    the fewest loads per product (4 weight rows where the registers allow: 25 GB/s against 22 for one row, four x
-    rows of [2048, 5632]). One row of float32 weights is left to `_gemv`, as fast there.
+    which stay in L1, so up to GEMV_MAX_ROWS rows fit whatever the register count. When the x rows outgrow L1 (one
+    x row: with a weight row beside it), a task holds GEMV_TASK_ROWS weight rows and passes over them one depth block
+    at a time, so the block's slice of x stays in L1 for all of them (the partial sums wait in memory between
+    blocks); its tile is then the shape with the fewest loads per product (4 weight rows where the registers allow:
+    25 GB/s against 22 for one row, four x rows of [2048, 5632]; one float32 x row of [2048, 8192] bf16 on AMD Zen 4
+    1.05 of numpy's rate against 0.87 in one pass, [1536, 8960] 1.50 against 1.05, float16 [2048, 11008] 0.76
+    against 0.54; in dot products [3584, 18944] 0.88 against 0.73). One row of float32 weights is left to `_gemv`.
 
     With `dot_ir` (bfloat16 weights, a bf16 build on AVX512-BF16: `schedules.avx512_bf16`; which products take it:
     `rows_on_dot_products`), the x rows are rounded to bfloat16 once and a step's products are dot products of
@@ -202,15 +205,15 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
             (dot and (w_buf.dtype != "bfloat16" or lanes != 16)):
         return None
     x_bytes = 4 // pair  # x as the products read it: float32, or rounded to bfloat16
-    blocked, group, cols = gemv_tile(m, n, k, halves, budget, x_bytes)
+    w_bytes = tvm.DataType(w_buf.dtype).bits // 8
+    blocked, group, cols = gemv_tile(m, n, k, halves, budget, x_bytes, w_bytes)
     tiles = GEMV_TASK_ROWS // cols if blocked else 1  # weight-row tiles per task
     block = next(b for b in range(GEMV_X_BLOCK_BYTES // (x_bytes * m) // step * step, 0, -step) if k % b == 0) \
         if blocked else k
-    w_bytes = tvm.DataType(w_buf.dtype).bits // 8
     row_bytes = k * w_bytes
     if prefetching is None:
         hardware_suffices = _beyond_a_page(k) if dot else 4 * k + row_bytes <= GEMV_X_BLOCK_BYTES
-        prefetching = not (target.hardware_prefetch and m == 1 and hardware_suffices)
+        prefetching = not (target.hardware_prefetch and m == 1 and hardware_suffices and not blocked)
     run = 1 if blocked else max(p for p in range(1, -(-STREAM_BYTES // row_bytes) + 1) if n % (cols * p) == 0)
     rows_per_task = tiles * cols * run
     line = max(1, CACHE_LINE // (step * w_bytes))  # steps per cache line of a row

@@ -198,6 +198,7 @@ def rows_kernel(rows: int, depth: int, cols: int, bias: str | None = None, prefe
     (3, 896, 24),  # a group of three x rows over each weight row
     (8, 2048, 48),  # x rows of 32 KiB in bfloat16: one pass, where in float32 they outgrow L1
     (16, 3072, 48),  # they outgrow it: tasks of 16 weight rows in 4-row tiles, several depth blocks
+    (1, 9216, 48),  # one x row and its weight row outgrow L1: the same, two depth blocks
 ])
 @pytest.mark.parametrize("bias", [None, "bfloat16", "float32"])
 @pytest.mark.parametrize("prefetching", [False, True])
@@ -226,7 +227,8 @@ def test_the_instruction_computes_the_decode_rows_as_the_portable_dot_does(rows,
     # products, prefetching left to the hardware
     ("znver4", 1, 2048, False, False), ("znver4", 1, 1024, False, False),  # ... a page or less: the widening form,
     ("znver4", 1, 896, False, False),  # without prefetches either
-    ("znver4", 4, 5632, True, True), ("znver4", 4, 1024, True, True)])  # several rows: dot products, prefetches
+    ("znver4", 4, 5632, True, True), ("znver4", 4, 1024, True, True),  # several rows: dot products, prefetches
+    ("znver4", 1, 9216, True, True)])  # one row in depth blocks (x and a weight row outgrow L1): prefetches
 def test_decode_rows_take_dot_products_and_software_prefetches_where_they_stream_faster(mcpu, rows, depth, dots,
                                                                                        prefetches):
     kernel = cpu.schedule(linear_kernel(rows, depth, 256), "linear", {}, cpu_target(mcpu, "bfloat16"))

@@ -31,6 +31,7 @@ def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
 @pytest.mark.parametrize("rows,depth,cols", [
     (1, 48, 20), (3, 40, 24), (17, 64, 36), (16, 40, 20), (16, 64, 128), (32, 56, 72), (48, 40, 8),
     (64, 2176, 96), (128, 96, 1088), (32, 24, 3),
+    (1, 9216, 48),  # one x row and its weight row outgrow L1: depth blocks (three of 3072)
 ])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("bias", [False, True])
@@ -43,11 +44,12 @@ def test_linear_matches_numpy(rows, depth, cols, dtype, bias):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(want).max())))
 
 
-@pytest.mark.parametrize("rows,depth,blocked", [(1, 896, False), (1, 5632, False), (8, 896, False),
-                                                (4, 5632, True), (16, 896, True)])
+@pytest.mark.parametrize("rows,depth,blocked", [(1, 896, False), (1, 4864, False), (1, 5632, True), (1, 8192, True),
+                                                (8, 896, False), (4, 5632, True), (16, 896, True)])
 def test_decode_products_stream_one_weight_row_at_a_time_while_x_fits_in_l1(rows, depth, blocked):
-    """While the x rows fit in L1 a tile is one weight row, so a core reads its weights as one stream; a blocked
-    product (x read a depth block at a time) takes the tile with the fewest loads per product instead."""
+    """While the x rows (one x row: with a bfloat16 weight row) fit in L1 a tile is one weight row, so a core reads
+    its weights as one stream; a blocked product (x read a depth block at a time) takes the tile with the fewest
+    loads per product instead."""
     halves = 2 if rows == 1 else 1
     got_blocked, group, cols = cpu.gemv_tile(rows, 4864, depth, halves, budget=16)
     assert got_blocked == blocked
@@ -57,6 +59,7 @@ def test_decode_products_stream_one_weight_row_at_a_time_while_x_fits_in_l1(rows
 @pytest.mark.parametrize("mcpu,rows,depth,prefetches", [
     ("znver4", 1, 896, False), ("znver4", 1, 2048, False),  # x row and weight row fit in half of L1: the hardware's
     ("znver4", 1, 4864, True), ("znver4", 2, 896, True),  # they do not; several x rows (not measured without)
+    ("znver4", 1, 9216, True),  # depth blocks (x and a weight row outgrow L1): faster with them
     ("znver5", 1, 896, True), ("sapphirerapids", 1, 896, True)])
 def test_one_row_products_leave_prefetching_to_the_hardware_only_where_it_suffices(mcpu, rows, depth, prefetches):
     """On AMD Zen 4 a decode product of one x row whose x and weight rows fit in half of L1 has no software prefetch
