@@ -136,17 +136,26 @@ GEMV_TASK_ROWS = 16  # several x rows: weight rows per task, passed over depth b
 STREAM_BYTES = 4096  # bytes of consecutive weights each stream of a one-pass product reads at least, if it can
 
 
-def gemv_tile(m: int, n: int, k: int, halves: int, budget: int, x_bytes: int = 4,
-              w_bytes: int = 2) -> tuple[bool, int, int]:
-    """(blocked, x rows per group, weight rows per tile) of `_rows_gemv` for m x rows of depth k (`x_bytes` an
-    element) and n weight rows (`w_bytes` an element), `halves` accumulators per product and at most `budget`
-    accumulators: blocked when the x rows outgrow L1 (one x row: with the weight row it meets); one weight row a
-    tile (one stream of weights) while they fit, else the tile with the fewest loads per product."""
-    blocked = m * k * x_bytes + (k * w_bytes if m == 1 else 0) > GEMV_L1_BYTES and n % GEMV_TASK_ROWS == 0
-    group, cols = min(((g, c) for g in range(1, m + 1) for c in ((4, 2, 1) if blocked else (1,))
-                       if m % g == 0 and n % c == 0 and g * c * halves <= budget),
-                      key=lambda gc: ((gc[0] + gc[1]) / (gc[0] * gc[1]), -gc[0]))
-    return blocked, group, cols
+def depth_block(m: int, n: int, k: int, step: int, x_bytes: int, w_bytes: int) -> int:
+    """The depth `_rows_gemv` passes over its weight rows at a time, for m x rows of depth k (`x_bytes` an element)
+    and n weight rows (`w_bytes` an element): k, one pass, while the x rows fit in L1 (one x row: with the weight
+    row it meets); else the largest multiple of `step` dividing k whose slice of x fills at most GEMV_X_BLOCK_BYTES,
+    unless that is under a quarter of it (a depth of few divisors: the partial sums would go to memory every few
+    steps, so one pass instead)."""
+    if m * k * x_bytes + (k * w_bytes if m == 1 else 0) <= GEMV_L1_BYTES or n % GEMV_TASK_ROWS:
+        return k
+    widest = GEMV_X_BLOCK_BYTES // (x_bytes * m) // step * step
+    block = next(b for b in range(widest, 0, -step) if k % b == 0)
+    return block if 4 * block >= widest else k
+
+
+def gemv_tile(m: int, n: int, halves: int, budget: int, blocked: bool) -> tuple[int, int]:
+    """(x rows per group, weight rows per tile) of `_rows_gemv` for m x rows and n weight rows, `halves`
+    accumulators per product and at most `budget` accumulators: one weight row a tile (one stream of weights) in
+    one pass over the depth, else (`blocked`) the tile with the fewest loads per product."""
+    return min(((g, c) for g in range(1, m + 1) for c in ((4, 2, 1) if blocked else (1,))
+                if m % g == 0 and n % c == 0 and g * c * halves <= budget),
+               key=lambda gc: ((gc[0] + gc[1]) / (gc[0] * gc[1]), -gc[0]))
 
 
 def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
@@ -206,10 +215,10 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
         return None
     x_bytes = 4 // pair  # x as the products read it: float32, or rounded to bfloat16
     w_bytes = tvm.DataType(w_buf.dtype).bits // 8
-    blocked, group, cols = gemv_tile(m, n, k, halves, budget, x_bytes, w_bytes)
+    block = depth_block(m, n, k, step, x_bytes, w_bytes)
+    blocked = block < k
+    group, cols = gemv_tile(m, n, halves, budget, blocked)
     tiles = GEMV_TASK_ROWS // cols if blocked else 1  # weight-row tiles per task
-    block = next(b for b in range(GEMV_X_BLOCK_BYTES // (x_bytes * m) // step * step, 0, -step) if k % b == 0) \
-        if blocked else k
     row_bytes = k * w_bytes
     if prefetching is None:
         hardware_suffices = _beyond_a_page(k) if dot else 4 * k + row_bytes <= GEMV_X_BLOCK_BYTES

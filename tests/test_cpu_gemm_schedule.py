@@ -51,9 +51,19 @@ def test_decode_products_stream_one_weight_row_at_a_time_while_x_fits_in_l1(rows
     its weights as one stream; a blocked product (x read a depth block at a time) takes the tile with the fewest
     loads per product instead."""
     halves = 2 if rows == 1 else 1
-    got_blocked, group, cols = cpu.gemv_tile(rows, 4864, depth, halves, budget=16)
-    assert got_blocked == blocked
+    block = cpu.depth_block(rows, 4864, depth, halves * 16, x_bytes=4, w_bytes=2)
+    assert (block < depth) == blocked and depth % block == 0
+    group, cols = cpu.gemv_tile(rows, 4864, halves, budget=16, blocked=blocked)
     assert cols == (4 if blocked else 1) and group * cols * halves <= 16 and rows % group == 0
+
+
+@pytest.mark.parametrize("rows,depth,x_bytes,block", [
+    (1, 8192, 4, 4096), (1, 8960, 4, 2240), (1, 11008, 4, 2752),  # a float32 x row: blocks of at most 16 KiB of it
+    (1, 18944, 2, 4736), (16, 3072, 4, 256),  # x rounded to bfloat16; 16 x rows
+    (1, 5536, 4, 5536)])  # 32 x 173: no block of at least 4 KiB of x divides it, so one pass
+def test_depth_blocks_are_the_widest_divisors_within_half_of_l1_or_none(rows, depth, x_bytes, block):
+    step = (32 if rows == 1 else 16) * (2 if x_bytes == 2 else 1)
+    assert cpu.depth_block(rows, 4864, depth, step, x_bytes, w_bytes=2) == block
 
 
 @pytest.mark.parametrize("mcpu,rows,depth,prefetches", [
