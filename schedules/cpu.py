@@ -130,7 +130,7 @@ def _linear(sch: s_tir.Schedule, lanes: int) -> None:
 
 GEMV_MAX_ROWS = 16  # activation rows a weight-streaming product takes (decode steps of up to this many sequences)
 BF16_MIN_ROWS = 16  # a bf16 build's products from this many rows (one AMX tile of them) run on its bf16 GEMM
-GEMV_L1_BYTES = 32 * 1024  # x rows larger than a core's L1 data cache are read one depth block at a time
+GEMV_L1_BYTES = 32 * 1024  # x rows that outgrow L1 (data cache) with a weight row are read a depth block at a time
 GEMV_X_BLOCK_BYTES = 16 * 1024  # ... of this many bytes of x (half of L1: the weights stream through it too)
 GEMV_TASK_ROWS = 16  # several x rows: weight rows per task, passed over depth block by depth block
 STREAM_BYTES = 4096  # bytes of consecutive weights each stream of a one-pass product reads at least, if it can
@@ -138,11 +138,11 @@ STREAM_BYTES = 4096  # bytes of consecutive weights each stream of a one-pass pr
 
 def depth_block(m: int, n: int, k: int, step: int, x_bytes: int, w_bytes: int) -> int:
     """The depth `_rows_gemv` passes over its weight rows at a time, for m x rows of depth k (`x_bytes` an element)
-    and n weight rows (`w_bytes` an element): k, one pass, while the x rows fit in L1 (one x row: with the weight
-    row it meets); else the largest multiple of `step` dividing k whose slice of x fills at most GEMV_X_BLOCK_BYTES,
+    and n weight rows (`w_bytes` an element): k, one pass, while the x rows and the weight row they meet fit in L1
+    together; else the largest multiple of `step` dividing k whose slice of x fills at most GEMV_X_BLOCK_BYTES,
     unless that is under a quarter of it (a depth of few divisors: the partial sums would go to memory every few
     steps, so one pass instead)."""
-    if m * k * x_bytes + (k * w_bytes if m == 1 else 0) <= GEMV_L1_BYTES or n % GEMV_TASK_ROWS:
+    if (m * x_bytes + w_bytes) * k <= GEMV_L1_BYTES or n % GEMV_TASK_ROWS:
         return k
     widest = GEMV_X_BLOCK_BYTES // (x_bytes * m) // step * step
     block = next(b for b in range(widest, 0, -step) if k % b == 0)
@@ -167,18 +167,20 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
     weight rows, widened in registers, and adds their products with the same elements of a group of x rows into
     accumulators (group rows x weight rows x halves, at most `target.gemv_accumulators`), and prefetches (into L2) the
     same elements of the next tile's rows, which follow in memory (the hardware prefetcher alone leaves a core well
-    short of its share of memory bandwidth on 16-bit weights). While the x rows fit in L1, a tile is one weight row,
-    so a core reads its weights as one stream, row after row: tiles of 4 rows, four streams at once with fewer loads
-    per product, streamed [4864, 896] bf16 from memory at 28 GB/s with one x row and 13 with eight, against 32.5 and
-    17 for one stream (two threads, the Xeon of docs/performance.md). Rows shorter than STREAM_BYTES go in runs of
+    short of its share of memory bandwidth on 16-bit weights). While the x rows and a weight row fit in L1, a tile
+    is one weight row, so a core reads its weights as one stream, row after row: tiles of 4 rows, four streams at
+    once with fewer loads per product, streamed [4864, 896] bf16 from memory at 28 GB/s with one x row and 13 with
+    eight, against 32.5 and 17 for one stream (two threads, the Xeon of docs/performance.md). Rows shorter than STREAM_BYTES go in runs of
     consecutive rows per task, so each prefetch reaches that far ahead. The groups take turns over a tile's weights,
-    which stay in L1, so up to GEMV_MAX_ROWS rows fit whatever the register count. When the x rows outgrow L1 (one
-    x row: with a weight row beside it), a task holds GEMV_TASK_ROWS weight rows and passes over them one depth block
-    at a time, so the block's slice of x stays in L1 for all of them (the partial sums wait in memory between
+    which stay in L1, so up to GEMV_MAX_ROWS rows fit whatever the register count. When the x rows and a weight row
+    outgrow L1 together (`depth_block`), a task holds GEMV_TASK_ROWS weight rows and passes over them one depth
+    block at a time, so the block's slice of x stays in L1 for all of them (the partial sums wait in memory between
     blocks); its tile is then the shape with the fewest loads per product (4 weight rows where the registers allow:
-    25 GB/s against 22 for one row, four x rows of [2048, 5632]; one float32 x row of [2048, 8192] bf16 on AMD Zen 4
-    1.05 of numpy's rate against 0.87 in one pass, [1536, 8960] 1.50 against 1.05, float16 [2048, 11008] 0.76
-    against 0.54; in dot products [3584, 18944] 0.88 against 0.73). One row of float32 weights is left to `_gemv`.
+    25 GB/s against 22 for one row, four x rows of [2048, 5632]). On AMD Zen 4 against one pass, bf16 weights: one
+    float32 x row of [2048, 8192] 1.05 of numpy's rate against 0.87, [1536, 8960] 1.50 against 1.05; two of
+    [2048, 4096] 0.94 against 0.75; float16 [2048, 11008] 0.76 against 0.54; in dot products one row of
+    [3584, 18944] 0.88 against 0.73, four of [2048, 3584] 0.93 against 0.73. One row of float32 weights is left to
+    `_gemv`.
 
     With `dot_ir` (bfloat16 weights, a bf16 build on AVX512-BF16: `schedules.avx512_bf16`; which products take it:
     `rows_on_dot_products`), the x rows are rounded to bfloat16 once and a step's products are dot products of

@@ -196,7 +196,7 @@ def rows_kernel(rows: int, depth: int, cols: int, bias: str | None = None, prefe
     (1, 5632, 96),  # long rows: one per task
     (1, 128, 7),  # a prime number of weight rows
     (3, 896, 24),  # a group of three x rows over each weight row
-    (8, 2048, 48),  # x rows of 32 KiB in bfloat16: one pass, where in float32 they outgrow L1
+    (8, 1792, 48),  # x rows of 28 KiB in bfloat16: one pass, where in float32 they outgrow L1
     (16, 3072, 48),  # they outgrow it: tasks of 16 weight rows in 4-row tiles, several depth blocks
     (1, 9216, 48),  # one x row and its weight row outgrow L1: the same, two depth blocks
 ])

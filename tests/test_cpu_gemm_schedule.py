@@ -45,11 +45,12 @@ def test_linear_matches_numpy(rows, depth, cols, dtype, bias):
 
 
 @pytest.mark.parametrize("rows,depth,blocked", [(1, 896, False), (1, 4864, False), (1, 5632, True), (1, 8192, True),
-                                                (8, 896, False), (4, 5632, True), (16, 896, True)])
+                                                (8, 896, False), (2, 3072, False), (2, 4096, True), (4, 5632, True),
+                                                (16, 896, True)])
 def test_decode_products_stream_one_weight_row_at_a_time_while_x_fits_in_l1(rows, depth, blocked):
-    """While the x rows (one x row: with a bfloat16 weight row) fit in L1 a tile is one weight row, so a core reads
-    its weights as one stream; a blocked product (x read a depth block at a time) takes the tile with the fewest
-    loads per product instead."""
+    """While the float32 x rows and a bfloat16 weight row fit in L1 together a tile is one weight row, so a core
+    reads its weights as one stream; a blocked product (x read a depth block at a time) takes the tile with the
+    fewest loads per product instead."""
     halves = 2 if rows == 1 else 1
     block = cpu.depth_block(rows, 4864, depth, halves * 16, x_bytes=4, w_bytes=2)
     assert (block < depth) == blocked and depth % block == 0
