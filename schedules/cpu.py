@@ -170,8 +170,8 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
     short of its share of memory bandwidth on 16-bit weights). While the x rows and a weight row fit in L1, a tile
     is one weight row, so a core reads its weights as one stream, row after row: tiles of 4 rows, four streams at
     once with fewer loads per product, streamed [4864, 896] bf16 from memory at 28 GB/s with one x row and 13 with
-    eight, against 32.5 and 17 for one stream (two threads, the Xeon of docs/performance.md). Rows shorter than STREAM_BYTES go in runs of
-    consecutive rows per task, so each prefetch reaches that far ahead. The groups take turns over a tile's weights,
+    eight, against 32.5 and 17 for one stream (two threads, the Xeon of docs/performance.md). Rows shorter than
+    STREAM_BYTES go in runs of consecutive rows per task, so each prefetch reaches that far ahead. The groups take turns over a tile's weights,
     which stay in L1, so up to GEMV_MAX_ROWS rows fit whatever the register count. When the x rows and a weight row
     outgrow L1 together (`depth_block`), a task holds GEMV_TASK_ROWS weight rows and passes over them one depth
     block at a time, so the block's slice of x stays in L1 for all of them (the partial sums wait in memory between
