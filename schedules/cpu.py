@@ -165,22 +165,22 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
 
     Tasks of weight rows run across the cores; each step reads `lanes` (one row: 2 x `lanes`) elements of a tile of
     weight rows, widened in registers, and adds their products with the same elements of a group of x rows into
-    accumulators (group rows x weight rows x halves, at most `target.gemv_accumulators`), and prefetches (into L2) the
-    same elements of the next tile's rows, which follow in memory (the hardware prefetcher alone leaves a core well
-    short of its share of memory bandwidth on 16-bit weights). While the x rows and a weight row fit in L1, a tile
-    is one weight row, so a core reads its weights as one stream, row after row: tiles of 4 rows, four streams at
-    once with fewer loads per product, streamed [4864, 896] bf16 from memory at 28 GB/s with one x row and 13 with
-    eight, against 32.5 and 17 for one stream (two threads, the Xeon of docs/performance.md). Rows shorter than
-    STREAM_BYTES go in runs of consecutive rows per task, so each prefetch reaches that far ahead. The groups take turns over a tile's weights,
-    which stay in L1, so up to GEMV_MAX_ROWS rows fit whatever the register count. When the x rows and a weight row
-    outgrow L1 together (`depth_block`), a task holds GEMV_TASK_ROWS weight rows and passes over them one depth
-    block at a time, so the block's slice of x stays in L1 for all of them (the partial sums wait in memory between
-    blocks); its tile is then the shape with the fewest loads per product (4 weight rows where the registers allow:
-    25 GB/s against 22 for one row, four x rows of [2048, 5632]). On AMD Zen 4 against one pass, bf16 weights: one
-    float32 x row of [2048, 8192] 1.05 of numpy's rate against 0.87, [1536, 8960] 1.50 against 1.05; two of
-    [2048, 4096] 0.94 against 0.75; float16 [2048, 11008] 0.76 against 0.54; in dot products one row of
-    [3584, 18944] 0.88 against 0.73, four of [2048, 3584] 0.93 against 0.73. One row of float32 weights is left to
-    `_gemv`.
+    accumulators (group rows x weight rows x halves, at most `target.gemv_accumulators`), and prefetches (into L2)
+    the same elements of the next tile's rows, which follow in memory (the hardware prefetcher alone leaves a core
+    well short of its share of memory bandwidth on 16-bit weights). While the x rows and a weight row fit in L1, a
+    tile is one weight row, so a core reads its weights as one stream, row after row: tiles of 4 rows, four streams
+    at once with fewer loads per product, streamed [4864, 896] bf16 from memory at 28 GB/s with one x row and 13
+    with eight, against 32.5 and 17 for one stream (two threads, the Xeon of docs/performance.md). Rows shorter than
+    STREAM_BYTES go in runs of consecutive rows per task, so each prefetch reaches that far ahead. The groups take
+    turns over a tile's weights, which stay in L1, so up to GEMV_MAX_ROWS rows fit whatever the register count. When
+    the x rows and a weight row outgrow L1 together (`depth_block`), a task holds GEMV_TASK_ROWS weight rows and
+    passes over them one depth block at a time, so the block's slice of x stays in L1 for all of them (the partial
+    sums wait in memory between blocks); its tile is then the shape with the fewest loads per product (4 weight rows
+    where the registers allow: 25 GB/s against 22 for one row, four x rows of [2048, 5632]). On AMD Zen 4 against
+    one pass, bf16 weights: one float32 x row of [2048, 8192] 1.05 of numpy's rate against 0.87, [1536, 8960] 1.50
+    against 1.05; two of [2048, 4096] 0.94 against 0.75; float16 [2048, 11008] 0.76 against 0.54; in dot products
+    one row of [3584, 18944] 0.88 against 0.73, four of [2048, 3584] 0.93 against 0.73. One row of float32 weights
+    is left to `_gemv`.
 
     With `dot_ir` (bfloat16 weights, a bf16 build on AVX512-BF16: `schedules.avx512_bf16`; which products take it:
     `rows_on_dot_products`), the x rows are rounded to bfloat16 once and a step's products are dot products of
