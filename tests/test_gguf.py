@@ -183,7 +183,6 @@ def test_a_file_of_mixed_types_packs_each_projection_its_way(tmp_path):
     assert_steps_match(ours, hf, [5, 17, 2, 9, 40], 6)
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("ptxas") is None, reason="no CUDA toolkit installed")
 def test_a_vocabulary_no_packing_takes_stays_float16_beside_packed_projections(tmp_path):
     """A Q4_0 file whose 322-row embedding and head do not split into 8-column words (ir.packing): they are held
     decoded to float16, the projections packed, and the model runs as transformers runs the stored values."""
@@ -199,6 +198,7 @@ def test_a_vocabulary_no_packing_takes_stays_float16_beside_packed_projections(t
     assert_steps_match(ours, hf, [5, 17, 2, 9, 321], 4)
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("ptxas") is None, reason="no CUDA toolkit installed")
 def test_a_4_bit_gguf_model_builds_for_cuda(tmp_path):
     """Q4_0's zero points, Q4_1's offsets and Q8_0's planes as the GPU kernels read them (column tiles): the model
     builds for CUDA and ptxas accepts every kernel."""
