@@ -34,6 +34,11 @@ HARDWARE_PREFETCH_CPUS = ("znver4",)
 # CPUs that run a 512-bit FMA as two 256-bit halves (AMD Zen 4): the register tile of a few-row product with 8 or 16
 # x rows ran 1.3-1.4x faster there with 8 accumulators than with 16 (docs/performance.md)
 HALF_WIDTH_AVX512_CPUS = ("znver4",)
+# CPUs whose cores have a 48 KiB L1 data cache (Intel from Ice Lake's Sunny Cove on, AMD Zen 5); others 32 KiB. Where
+# a few-row decode product's x rows and a weight row outgrow it, the product reads x in depth blocks (`schedules.cpu`)
+WIDE_L1_CPUS = ("icelake", "tigerlake", "rocketlake", "alderlake", "raptorlake", "meteorlake", "arrowlake",
+                "lunarlake", "pantherlake", "sapphirerapids", "emeraldrapids", "graniterapids", "diamondrapids",
+                "znver5")
 # Qwen3.5-0.8B decode, Intel Xeon with AMX, alternating: the delta rule's time in a step 2.0-2.1 ms with one vector
 # (a state row read as one 64-byte line in eight), 1.5 with four, 1.7-2.2 with eight; prefill 1.04-1.07x faster
 SCAN_VECTORS = 4
@@ -73,6 +78,11 @@ class CpuTarget:
         """Accumulators a few-row product's register tile holds at most: half the SIMD registers (AVX-512 has 32,
         AVX2 16), a quarter where the CPU splits its 512-bit FMAs."""
         return 8 if self.lanes < 16 or self.mcpu in HALF_WIDTH_AVX512_CPUS else 16
+
+    @property
+    def l1_bytes(self) -> int:
+        """The size of a core's L1 data cache."""
+        return (48 if self.mcpu.startswith(WIDE_L1_CPUS) else 32) * 1024
 
     @property
     def lanes(self) -> int:

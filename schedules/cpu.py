@@ -130,19 +130,19 @@ def _linear(sch: s_tir.Schedule, lanes: int) -> None:
 
 GEMV_MAX_ROWS = 16  # activation rows a weight-streaming product takes (decode steps of up to this many sequences)
 BF16_MIN_ROWS = 16  # a bf16 build's products from this many rows (one AMX tile of them) run on its bf16 GEMM
-GEMV_L1_BYTES = 32 * 1024  # x rows that outgrow L1 (data cache) with a weight row are read a depth block at a time
-GEMV_X_BLOCK_BYTES = 16 * 1024  # ... of this many bytes of x (half of L1: the weights stream through it too)
+GEMV_X_BLOCK_BYTES = 16 * 1024  # x rows that outgrow L1 with a weight row are read in depth blocks of this many bytes
+# of x (half of a 32 KiB L1: the weights stream through it too)
 GEMV_TASK_ROWS = 16  # several x rows: weight rows per task, passed over depth block by depth block
 STREAM_BYTES = 4096  # bytes of consecutive weights each stream of a one-pass product reads at least, if it can
 
 
-def depth_block(m: int, n: int, k: int, step: int, x_bytes: int, w_bytes: int) -> int:
+def depth_block(m: int, n: int, k: int, step: int, x_bytes: int, w_bytes: int, l1_bytes: int) -> int:
     """The depth `_rows_gemv` passes over its weight rows at a time, for m x rows of depth k (`x_bytes` an element)
     and n weight rows (`w_bytes` an element): k, one pass, while the x rows and the weight row they meet fit in L1
-    together; else the largest multiple of `step` dividing k whose slice of x fills at most GEMV_X_BLOCK_BYTES,
+    (`l1_bytes`) together; else the largest multiple of `step` dividing k whose slice of x fills at most GEMV_X_BLOCK_BYTES,
     unless that is under a quarter of it (a depth of few divisors: the partial sums would go to memory every few
     steps, so one pass instead)."""
-    if (m * x_bytes + w_bytes) * k <= GEMV_L1_BYTES or n % GEMV_TASK_ROWS:
+    if (m * x_bytes + w_bytes) * k <= l1_bytes or n % GEMV_TASK_ROWS:
         return k
     widest = GEMV_X_BLOCK_BYTES // (x_bytes * m) // step * step
     block = next(b for b in range(widest, 0, -step) if k % b == 0)
@@ -173,9 +173,9 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
     with eight, against 32.5 and 17 for one stream (two threads, the Xeon of docs/performance.md). Rows shorter than
     STREAM_BYTES go in runs of consecutive rows per task, so each prefetch reaches that far ahead. The groups take
     turns over a tile's weights, which stay in L1, so up to GEMV_MAX_ROWS rows fit whatever the register count. When
-    the x rows and a weight row outgrow L1 together (`depth_block`), a task holds GEMV_TASK_ROWS weight rows and
-    passes over them one depth block at a time, so the block's slice of x stays in L1 for all of them (the partial
-    sums wait in memory between blocks); its tile is then the shape with the fewest loads per product (4 weight rows
+    the x rows and a weight row outgrow L1 together (`depth_block`, at the target's `l1_bytes`), a task holds
+    GEMV_TASK_ROWS weight rows and passes over them one depth block at a time, so the block's slice of x stays in L1
+    for all of them (the partial sums wait in memory between blocks); its tile is then the shape with the fewest loads per product (4 weight rows
     where the registers allow: 25 GB/s against 22 for one row, four x rows of [2048, 5632]). On AMD Zen 4 against
     one pass, bf16 weights: one float32 x row of [2048, 8192] 1.05 of numpy's rate against 0.87, [1536, 8960] 1.50
     against 1.05; two of [2048, 4096] 0.94 against 0.75; float16 [2048, 11008] 0.76 against 0.54; in dot products
@@ -217,7 +217,7 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
         return None
     x_bytes = 4 // pair  # x as the products read it: float32, or rounded to bfloat16
     w_bytes = tvm.DataType(w_buf.dtype).bits // 8
-    block = depth_block(m, n, k, step, x_bytes, w_bytes)
+    block = depth_block(m, n, k, step, x_bytes, w_bytes, target.l1_bytes)
     blocked = block < k
     group, cols = gemv_tile(m, n, halves, budget, blocked)
     tiles = GEMV_TASK_ROWS // cols if blocked else 1  # weight-row tiles per task

@@ -52,7 +52,7 @@ def test_decode_products_stream_one_weight_row_at_a_time_while_x_fits_in_l1(rows
     reads its weights as one stream; a blocked product (x read a depth block at a time) takes the tile with the
     fewest loads per product instead."""
     halves = 2 if rows == 1 else 1
-    block = cpu.depth_block(rows, 4864, depth, halves * 16, x_bytes=4, w_bytes=2)
+    block = cpu.depth_block(rows, 4864, depth, halves * 16, x_bytes=4, w_bytes=2, l1_bytes=32 * 1024)
     assert (block < depth) == blocked and depth % block == 0
     group, cols = cpu.gemv_tile(rows, 4864, halves, budget=16, blocked=blocked)
     assert cols == (4 if blocked else 1) and group * cols * halves <= 16 and rows % group == 0
@@ -64,7 +64,22 @@ def test_decode_products_stream_one_weight_row_at_a_time_while_x_fits_in_l1(rows
     (1, 5536, 4, 5536)])  # 32 x 173: no block of at least 4 KiB of x divides it, so one pass
 def test_depth_blocks_are_the_widest_divisors_within_half_of_l1_or_none(rows, depth, x_bytes, block):
     step = (32 if rows == 1 else 16) * (2 if x_bytes == 2 else 1)
-    assert cpu.depth_block(rows, 4864, depth, step, x_bytes, w_bytes=2) == block
+    assert cpu.depth_block(rows, 4864, depth, step, x_bytes, w_bytes=2, l1_bytes=32 * 1024) == block
+
+
+@pytest.mark.parametrize("mcpu,depth,blocked", [
+    ("znver4", 5632, True), ("skylake-avx512", 5632, True),  # 32 KiB of L1: x (22 KiB) and a row (11) outgrow it
+    ("znver5", 5632, False), ("sapphirerapids", 5632, False), ("icelake-server", 5632, False),  # 48 KiB: they fit
+    ("znver5", 9216, True), ("sapphirerapids", 9216, True)])  # 36 + 18 KiB outgrow 48 too
+def test_depth_blocks_follow_each_cpus_l1_size(mcpu, depth, blocked):
+    """One float32 x row of bfloat16 weights is read in depth blocks (a tile of four weight rows) only where x and a
+    weight row outgrow that CPU's L1 data cache: 32 KiB on AMD Zen 4 and older Intel, 48 on Zen 5 and Intel from
+    Ice Lake on."""
+    target = cpu_target(mcpu)
+    assert target.l1_bytes == (32 if mcpu in ("znver4", "skylake-avx512") else 48) * 1024
+    kernel = make_kernel("linear", [TensorType((1, depth), "float32"), TensorType((256, depth), "bfloat16")], {})
+    script = cpu._rows_gemv(kernel.func, target).script()
+    assert f"acc = T.alloc_buffer((1, {4 if blocked else 1}, 2, 16))" in script
 
 
 @pytest.mark.parametrize("mcpu,rows,depth,prefetches", [
