@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -106,7 +105,7 @@ def linear(types, attrs) -> Kernel:
 def _unpacked(packing: Packing | None, parts: list):
     """weight(j, k): element [j, k] of the logical weight matrix as float32, read from its parts (of the pairs
     layout: j in the layout's column order, ir.packing.pair_index): (q - z) * s, or q * s + m for an affine kind;
-    summed over its planes (ir.packing)."""
+    with two planes (ir.packing), q - z is 16 (h - z_h) + l - z_l, q is 16 h + l."""
     if packing is None:
         return lambda j, k: _f32(parts[0][j, k])
     qweight, zeros, scales = parts
@@ -116,25 +115,26 @@ def _unpacked(packing: Packing | None, parts: list):
             t, n, word = j // (PAIR_SLOTS * tile), j // tile % PAIR_SLOTS, j % tile
             return pair_value(words[t, row // 2, word], row, n)
 
-        quant = lambda j, k: value(qweight, j, k)  # noqa: E731
-        zero = lambda j, k: value(zeros, j, k // group)  # noqa: E731
+        quant = lambda j, r: value(qweight, j, r)  # noqa: E731
+        zero = lambda j, r: value(zeros, j, r // group)  # noqa: E731
         group_float = lambda part, j, k: _f32(part[pair_scale(j, k // group, tile)])  # noqa: E731
     else:
         def nibble(word, j):  # column j lies in nibble slot awq_slot(j % 8) of its word
             return tirx.bitwise_and(tirx.shift_right(word, awq_slot(j % AWQ_PACK) * 4), 15)
 
-        quant = lambda j, k: nibble(qweight[j // AWQ_PACK // tile, k, j // AWQ_PACK % tile], j)  # noqa: E731
-        zero = lambda j, k: nibble(zeros[k // group, j // AWQ_PACK], j)  # noqa: E731
+        quant = lambda j, r: nibble(qweight[j // AWQ_PACK // tile, r, j // AWQ_PACK % tile], j)  # noqa: E731
+        zero = lambda j, r: nibble(zeros[r // group, j // AWQ_PACK], j)  # noqa: E731
         group_float = lambda part, j, k: _f32(part[k // group, j])  # noqa: E731
+    span = packing.planes * group  # packed rows of one logical group: its planes, one after another (high first)
+
+    def integer(j, k):  # the integer of [j, k] as float32: q - z, or q (affine), over its planes' packed rows
+        rows = [k // group * span + p * group + k % group for p in range(packing.planes)]
+        planes = [quant(j, r) if packing.affine else quant(j, r) - zero(j, r) for r in rows]
+        return functools.reduce(lambda high, low: high * 16 + low, planes).astype(F32)
+
     if packing.affine:
-        plane = lambda j, r: quant(j, r).astype(F32) * group_float(scales, j, r) + group_float(zeros, j, r)  # noqa: E731
-    else:
-        plane = lambda j, r: (quant(j, r) - zero(j, r)).astype(F32) * group_float(scales, j, r)  # noqa: E731
-    if packing.planes == 1:
-        return plane
-    span = packing.planes * group  # packed rows of one logical group: its planes, one after another
-    return lambda j, k: functools.reduce(operator.add, (
-        plane(j, k // group * span + p * group + k % group) for p in range(packing.planes)))
+        return lambda j, k: integer(j, k) * group_float(scales, j, k) + group_float(zeros, j, k)
+    return lambda j, k: integer(j, k) * group_float(scales, j, k)
 
 
 def rope(types, attrs) -> Kernel:

@@ -36,13 +36,15 @@ as the scales (`offsets`, in place of qzeros):
     qweight int32 [out / (4 tile), in / 2, tile], offsets and scales [out / (4 tile), in / group, 4 tile]  (_pairs)
 Over a group, sum x * (q * s + m) = s * sum x * q + m * sum x: the kernels' integer sums are the same.
 
-Planes (`Packing.planes` > 1; a GGUF file's 5-, 6- and 8-bit blocks): a wider value is the sum of 4-bit planes,
-q = 16 h + l, so W[o, i] = (h - z_h) * 16 s + (l - z_l) * s (or with offsets), exactly; each plane is one more
+Planes (`Packing.planes` = 2; a GGUF file's 5-, 6- and 8-bit blocks): a wider value is the sum of two 4-bit planes,
+q = 16 h + l, so W[o, i] = (h - z_h) * 16 s + (l - z_l) * s, or (16 h + l) * s + m, exactly; each plane is one more
 group of packed rows, group after group: packed group g * planes + p holds plane p of the logical group g (the high
 plane first). The packed matrix has planes * in rows, and a kernel reads x[i] for each of its planes' rows
-(`logical_row`): the words, zero points and scales stay those of a plain 4-bit weight. Two planes always hold one
-wider value so (the high plane's scale 16 times the low one's, its zero point Z // 16 and the low one's Z % 16), and
-a kernel may unpack 16 h + l as one value (schedules.avx512_bf16.dpbf16_awq_gemm).
+(`logical_row`); the words and zero points are those of a plain 4-bit weight, a zero point per plane (Z // 16 for
+the high one, Z % 16 for the low one), but the scales and offsets are the logical groups', one of each for both
+planes (the high plane's scale is 16 s, its offset none): 2 bits a weight fewer than a scale and an offset per
+plane with float32 K-quant scales. A kernel sums the planes' rows one at a time (schedules.written.group_product
+scales each) or unpacks 16 h + l as one value (schedules.avx512_bf16.dpbf16_awq_gemm).
 """
 
 from __future__ import annotations
@@ -97,8 +99,8 @@ class Packing:
             return f"group {self.group!r} does not divide the {inp} input rows"
         if self.group % 2:
             return f"group {self.group} is odd; the kernels read input rows in pairs, so groups must be even"
-        if not isinstance(self.planes, int) or self.planes < 1:
-            return f"{self.planes!r} planes; a packed weight has one or more"
+        if self.planes not in (1, 2):
+            return f"{self.planes!r} planes; a packed weight has one (4-bit values) or two (up to 8 bits)"
         return None
 
     @property
@@ -122,12 +124,12 @@ class Packing:
         return ("qweight", "offsets" if self.affine else "qzeros", "scales")
 
     def checkpoint_parts(self, shape: tuple[int, int], dtype: str) -> tuple[tuple[tuple[int, ...], str], ...]:
-        """(shape, dtype) of each checkpoint tensor of a logical [out, in] matrix of `dtype` (`part_names`): of its
-        planes * in packed rows."""
-        out, inp = shape[0], shape[1] * self.planes
+        """(shape, dtype) of each checkpoint tensor of a logical [out, in] matrix of `dtype` (`part_names`): qweight
+        and qzeros of its planes * in packed rows, offsets and scales of its in rows."""
+        (out, inp), rows = shape, shape[1] * self.planes
         scales = ((inp // self.group, out), dtype)
-        zeros = scales if self.affine else ((inp // self.group, out // AWQ_PACK), "int32")
-        return (((inp, out // AWQ_PACK), "int32"), zeros, scales)
+        zeros = scales if self.affine else ((rows // self.group, out // AWQ_PACK), "int32")
+        return (((rows, out // AWQ_PACK), "int32"), zeros, scales)
 
     def parts(self, shape: tuple[int, int], dtype: str) -> tuple[tuple[tuple[int, ...], str], ...]:
         """(shape, dtype) of each part kernels take, in order: qweight, qzeros or offsets (both in the kind's layout),
@@ -137,7 +139,7 @@ class Packing:
             tile = pair_tile_words(shape[0])
             tiles, groups = shape[0] // (PAIR_SLOTS * tile), scales[0][0]
             laid = ((tiles, groups, PAIR_SLOTS * tile), dtype)
-            return (((tiles, rows // 2, tile), "int32"), laid if self.affine else ((tiles, -(-groups // 2), tile),
+            return (((tiles, rows // 2, tile), "int32"), laid if self.affine else ((tiles, -(-zeros[0][0] // 2), tile),
                                                                                      "int32"), laid)
         tile = awq_tile_words(words)
         return (((words // tile, rows, tile), "int32"), zeros, scales)

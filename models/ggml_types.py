@@ -10,7 +10,7 @@ W = u * s + m (Q4_1, Q5_1, Q4_K, Q5_K), per group of 32 (Q6_K: 16). Those are ir
 exactly, a value of 5, 6 or 8 bits as two 4-bit planes, u = 16 h + l. Their bits are repacked into the words the INT4
 kernels read and their scales (and offsets) laid out per group: float16s as they are, the K-quants' products as
 float32 (exact, as llama.cpp computes them). Bits a weight a decode step reads, ours (llama.cpp's): Q4_0 4.6 (4.5),
-Q4_1 5 (5), Q4_K 6 (4.5), Q5_0 9.3 (5.5), Q5_1 10 (6), Q5_K 12 (5.5), Q6_K 12.5 (6.6), Q8_0 9.3 (8.5); 16 decoded.
+Q4_1 5 (5), Q4_K 6 (4.5), Q5_0 8.8 (5.5), Q5_1 9 (6), Q5_K 10 (5.5), Q6_K 10.5 (6.6), Q8_0 8.8 (8.5); 16 decoded.
 """
 
 from __future__ import annotations
@@ -144,11 +144,11 @@ def int4_part(encoding: str, raw: np.ndarray, shape: tuple[int, int], part: str,
     holds the same values as a matrix stored as `encoding` blocks (`raw`: its bytes, uint8), the words as int32, the
     scales and offsets as float32 (exact; held as INT_TYPES says); with `rope_rows`, its rows first put back in
     Hugging Face's order (`rope_rows_in_order`). A value of more than 4 bits is two planes, u = 16 h + l: h with
-    the zero point Z // 16 (or the offset) and 16 times the scale, l with the zero point Z % 16 (or none)."""
+    the zero point Z // 16, l with Z % 16; the scale (and offset) are the value's, one for both (ir.packing)."""
     _, group, planes, _ = INT_TYPES[encoding]
-    rows = shape[0] * (1 if part == "qweight" else group)  # packed rows: planes * in
+    rows = shape[0] * (1 if part == "qweight" else group)  # qweight and qzeros: of the packed rows, planes * in
     out = shape[1] * (AWQ_PACK if part in ("qweight", "qzeros") else 1)
-    inp = rows // planes
+    inp = rows // planes if part in ("qweight", "qzeros") else rows
     groups = inp // group
     blocks = np.ascontiguousarray(raw).reshape(out, -1, _BLOCK_BYTES[encoding])
     if rope_rows:
@@ -161,13 +161,7 @@ def int4_part(encoding: str, raw: np.ndarray, shape: tuple[int, int], part: str,
     if part == "qzeros":
         zeros = np.array([zero // 16, zero % 16] if planes == 2 else [zero], np.uint8)
         return awq_pack(np.broadcast_to(np.tile(zeros, groups)[:, None], (planes * groups, out)))
-    scale = scale.reshape(out, groups, 1)
-    if part == "scales":
-        value = np.concatenate([scale * 16, scale], axis=2) if planes == 2 else scale
-    else:
-        offset = zero.reshape(out, groups, 1)
-        value = np.concatenate([offset, np.zeros_like(offset)], axis=2) if planes == 2 else offset
-    return np.ascontiguousarray(value.reshape(out, planes * groups).T)
+    return np.ascontiguousarray((scale if part == "scales" else zero).reshape(out, groups).T)
 
 
 def rope_rows_in_order(array: np.ndarray, head_dim: int) -> np.ndarray:

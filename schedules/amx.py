@@ -158,9 +158,9 @@ def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     x_buf, q_buf, z_buf, s_buf = func.params[:4]
     m, k = (int(d) for d in x_buf.shape)
     tiles, pairs, words = (int(d) for d in q_buf.shape)
-    groups = int(s_buf.shape[1])  # packed groups: planes (ir.packing) of each group of x
-    group = 2 * pairs // groups
     planes = 2 * pairs // k
+    groups = int(s_buf.shape[1]) * planes  # packed groups: planes (ir.packing) of each group of x
+    group = 2 * pairs // groups
     if words != TILE or m % BLOCK or group % DEPTH or x_buf.dtype != "float32":
         return None
     steps, columns = group // DEPTH, PAIR_SLOTS * words  # depth steps a group; columns a task
@@ -211,7 +211,7 @@ def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
                         yacc[rows * BLOCK + xt * TILE + r, (2 * half + nt) * TILE + c] = yacc[
                             rows * BLOCK + xt * TILE + r, (2 * half + nt) * TILE + c] + group_product(
                             qz, sc, task, g, 2 * half + nt, c, words, acc[xt, nt, r, c],
-                            xsum[rows * BLOCK + xt * TILE + r, g // planes])
+                            xsum[rows * BLOCK + xt * TILE + r, g // planes], planes)
             for r, n, c in T.grid(m, PAIR_SLOTS, TILE):
                 ys[r, pair_column(task, n, c, words)] = first(pair_column(task, n, c, words)) + yacc[r, n * TILE + c]
             T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))

@@ -189,9 +189,10 @@ def dpbf16_awq_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.Prim
     x_buf, q_buf, s_buf = func.params[0], func.params[1], func.params[3]
     m, k = (int(d) for d in x_buf.shape)
     tiles, pairs, words = (int(d) for d in q_buf.shape)
-    groups = int(s_buf.shape[1])  # packed groups: planes (ir.packing) of each group of x
-    group_pairs, planes, columns = pairs // groups, 2 * pairs // k, PAIR_SLOTS * words
-    if words != LANES or m % LANES or pairs % groups or x_buf.dtype != "float32" or planes > 2:
+    planes = 2 * pairs // k
+    groups = int(s_buf.shape[1]) * planes  # packed groups: planes (ir.packing) of each group of x
+    group_pairs, columns = pairs // groups, PAIR_SLOTS * words
+    if words != LANES or m % LANES or pairs % groups or x_buf.dtype != "float32":
         return None
     vecs, cols = _register_tile(m // LANES)
     half = cols // 2
@@ -228,7 +229,7 @@ def dpbf16_awq_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.Prim
                 part[placed(ct, h, c), (tv * vecs + v) * LANES + lane] = part[
                     placed(ct, h, c), (tv * vecs + v) * LANES + lane] + group_product(
                     qz, sc, task, g, nibble(ct, h, c), word(ct, h, c), words, acc[c, v, lane],
-                    xsum[tv * vecs + v, g, lane], planes)
+                    xsum[tv * vecs + v, g, lane], planes, whole=planes == 2)
 
     @T.macro
     def products(x, qw, qz, sc, ys, first):

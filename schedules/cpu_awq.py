@@ -186,10 +186,10 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False,
     x_buf, q_buf, z_buf, s_buf = func.params[:4]
     m, k = (int(d) for d in x_buf.shape)
     tiles, pairs, words = (int(d) for d in q_buf.shape)
-    groups = int(s_buf.shape[1])  # scales [tiles, groups, 4 tile]
+    groups = int(s_buf.shape[1])  # scales [tiles, groups, 4 tile]: the groups of x
     bf16_dot = bf16_ir is not None
     depth = 2 * pairs  # packed rows: a weight of planes (ir.packing) has more than x has columns
-    group, block = depth // groups, x_block(depth // groups)
+    group, block = k // groups, x_block(k // groups)
     planes = depth // k
     if words % lanes or lanes not in (8, 16) or (bf16_dot and lanes != 16):
         return None
@@ -214,10 +214,11 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False,
         sums of x1 * q and x2 * q (nibble IN_PLACE's 16 times too large) and x's scale and sum over the block
         (group g); with bf16_ir, from its one float32 sum of x * (128 + q) and x's sum."""
         if bf16_dot:
-            return group_product(qz, sc, task, g, n, word, words, sum1 - T.float32(BF16_BIAS) * xs_sum, xs_sum)
+            return group_product(qz, sc, task, g, n, word, words, sum1 - T.float32(BF16_BIAS) * xs_sum, xs_sum,
+                                 planes)
         unit = T.Select(n == IN_PLACE, T.float32(1 / 16), T.float32(1))  # 16 ** -n for n <= IN_PLACE
         sum_xq = d * unit * (T.Cast("float32", sum1) + T.Cast("float32", sum2) * T.float32(1 / SPLIT))
-        return group_product(qz, sc, task, g, n, word, words, sum_xq, xs_sum)
+        return group_product(qz, sc, task, g, n, word, words, sum_xq, xs_sum, planes)
 
     @T.macro
     def dots(acc, xw, term, w, task, rt, vt, pair, x_pair):

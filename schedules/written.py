@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import operator
 
 from tvm import tirx
@@ -177,22 +176,26 @@ def byte_pairs(high, low, n):
                                       T.broadcast(T.uint32(0xFFFF0000), lanes)))
 
 
-def group_product(zeros, scales, task, g, n, word, tile: int, sum_xq, sum_x, planes: int = 1):
+def group_product(zeros, scales, task, g, n, word, tile: int, sum_xq, sum_x, planes: int = 1, whole: bool = False):
     """A group's sum of x * W[column] for the column of word `word` in nibble n of column tile `task` (the pairs
     layout, ir.packing), from x's sum with the 4-bit values (sum_xq) and x's own sum (sum_x): s * (sum_xq - z *
     sum_x) with AWQ zero points, s * sum_xq + m * sum_x with an affine kind's offsets (`zeros` of a float dtype).
-    With two `planes`, g is a group of x and sum_xq its sum with the values 16 h + l (`byte_pairs`): s is the low
-    plane's scale (the high plane's is 16 s: ir.packing), z = 16 z_h + z_l, m the planes' offsets summed."""
-    at = pair_scale(pair_order(task, n, word, tile), g * planes + planes - 1, tile)
+    g is a packed group: with two `planes`, plane g % 2 of x's group g // 2, whose scale s is 16 times the logical
+    group's for the high plane (0), whose offset m counts on the low plane (1) only; or, `whole`, g is a group of x
+    and sum_xq its sum with the values 16 h + l (`byte_pairs`): z = 16 z_h + z_l."""
+    at = pair_scale(pair_order(task, n, word, tile), g if whole else g // planes, tile)
+    scale = T.Cast("float32", scales[at])
+    low = None if whole or planes == 1 else g % planes == planes - 1  # whether g is a low plane, where it varies
+    if low is not None:
+        scale = scale * T.Select(low, T.float32(1), T.float32(16))
     if zeros.dtype != "int32":
-        offset = functools.reduce(operator.add, (T.Cast("float32", zeros[pair_scale(
-            pair_order(task, n, word, tile), g * planes + p, tile)]) for p in range(planes)))
-        return T.Cast("float32", scales[at]) * sum_xq + offset * sum_x
-    if planes == 2:  # the row pair of packed groups 2g (high: its even row) and 2g + 1 (low: its odd row)
+        offset = T.Cast("float32", zeros[at]) * sum_x
+        return scale * sum_xq + (offset if low is None else T.Select(low, offset, T.float32(0)))
+    if whole:  # the row pair of packed groups 2g (high: its even row) and 2g + 1 (low: its odd row)
         zero = pair_value(zeros[task, g, word], 0, n) * 16 + pair_value(zeros[task, g, word], 1, n)
     else:
         zero = pair_value(zeros[task, g // 2, word], g, n)
-    return T.Cast("float32", scales[at]) * (sum_xq - sum_x * T.Cast("float32", zero))
+    return scale * (sum_xq - sum_x * T.Cast("float32", zero))
 
 
 def packed_weight(func: tirx.PrimFunc) -> bool:

@@ -91,24 +91,28 @@ def assert_bf16_prefill_tracks(ours: CompiledModel, hf, prompt: list[int]) -> No
     assert int(np.argmax(ours.forward([token], cache))) == int(np.argmax(want))
 
 
+def packed_parts(rng, packing: Packing, out: int, inp: int) -> list[np.ndarray]:
+    """The stored parts (qweight, qzeros or offsets, scales) of a random [out, inp] weight packed as `packing`: AWQ's
+    quantiser's for 4-bit values, random 8-bit values as two planes (`numpy_reference.two_plane_parts`)."""
+    if packing.planes == 2:
+        return ref.two_plane_parts(rng, out, inp, packing.group, packing.affine)
+    qweight, qzeros, scales = awq_quantize((rng.standard_normal((out, inp)) / 16).astype(np.float32), packing.group)
+    return [qweight, (rng.standard_normal(scales.shape) / 8).astype(np.float16) if packing.affine else qzeros, scales]
+
+
 def awq_product_case(rng, rows: int, depth: int, cols: int, group: int, bias: str | None, kind: str,
                      planes: int) -> tuple:
     """(the `linear` kernel of a weight packed as `kind` with `planes` planes, its inputs as the runtime passes them,
     the product in float64 with x rounded to bfloat16 and the weights exact): one group of x far larger than the
     rest, so a per-group sum of x that went wrong shows."""
     packing = Packing(kind, group, planes)
-    if planes == 2:
-        stored = ref.two_plane_parts(rng, cols, depth, group, packing.affine)
-    else:
-        qweight, qzeros, scales = awq_quantize((rng.standard_normal((cols, depth)) / 16).astype(np.float32), group)
-        stored = [qweight, (rng.standard_normal(scales.shape) / 8).astype(np.float16) if packing.affine else qzeros,
-                  scales]
+    stored = packed_parts(rng, packing, cols, depth)
     x = rng.standard_normal((rows, depth)).astype(np.float32)
     x[:, :group] *= 3e2
     b = rng.standard_normal(cols).astype(bias) if bias else None
     types = [TensorType((rows, depth), "float32"), TensorType((cols, depth), "float16", packing)]
     kernel = make_kernel("linear", types + ([TensorType((cols,), bias)] if bias else []), {}).func
     inputs = [x, *TRANSFORMS[packing.transform](stored)] + ([b] if bias else [])
-    weight = ref.planes_summed((ref.affine_dequantise if packing.affine else ref.dequantise)(*stored), group, planes)
+    weight = ref.packed_dequantise(*stored, planes, packing.affine)
     want = x.astype(ml_dtypes.bfloat16).astype(np.float64) @ weight.T.astype(np.float64)
     return kernel, inputs, want + (b.astype(np.float64) if bias else 0)

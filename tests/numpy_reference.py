@@ -251,26 +251,29 @@ def unpack(words: np.ndarray, columns: int) -> np.ndarray:
     return out
 
 
+def packed_dequantise(qweight, zeros, scales, planes: int = 1, affine: bool = False) -> np.ndarray:
+    """The [out, in] matrix (float64) of a packed module: (q - z) * s per group with 4-bit zero points `zeros`, or
+    q * s + m (`affine`: `zeros` the float offsets m). With two planes each group's packed rows are its high plane
+    (h, zero point z_h) then its low one (l, z_l), and q = 16 h + l, z = 16 z_h + z_l: one scale (and offset) for
+    both."""
+    columns, groups = scales.shape[1], scales.shape[0]
+    group = qweight.shape[0] // planes // groups
+    q = unpack(qweight, columns).reshape(groups, planes, group, columns)
+    if not affine:
+        q = q - unpack(zeros, columns).reshape(groups, planes, 1, columns)
+    value = (q * 16 ** np.arange(planes - 1, -1, -1).reshape(1, planes, 1, 1)).sum(axis=1)
+    w = value * scales.astype(np.float64)[:, None, :] + (zeros.astype(np.float64)[:, None, :] if affine else 0)
+    return np.ascontiguousarray(w.reshape(groups * group, columns).T)
+
+
 def affine_dequantise(qweight, offsets, scales) -> np.ndarray:
-    """The float32 [out, in] matrix of an affine INT4 module (ir.packing affine_int4): q * s + m per group."""
-    group = qweight.shape[0] // scales.shape[0]
-    per_row = lambda a: np.repeat(a.astype(np.float32), group, axis=0)  # noqa: E731
-    return np.ascontiguousarray((unpack(qweight, scales.shape[1]) * per_row(scales) + per_row(offsets)).T)
-
-
-def planes_summed(weight: np.ndarray, group: int, planes: int) -> np.ndarray:
-    """The logical [out, in] matrix of a packed one of `planes` planes ([out, planes * in], ir.packing: packed group
-    g * planes + p holds plane p of group g)."""
-    out, rows = weight.shape
-    return weight.reshape(out, rows // (planes * group), planes, group).sum(axis=2).reshape(out, rows // planes)
+    """The [out, in] matrix of an affine INT4 module (ir.packing affine_int4): q * s + m per group."""
+    return packed_dequantise(qweight, offsets, scales, affine=True)
 
 
 def dequantise(qweight, qzeros, scales) -> np.ndarray:
-    """The float32 [out, in] matrix of one AWQ module."""
-    columns = scales.shape[1]
-    group = qweight.shape[0] // scales.shape[0]
-    q, z = unpack(qweight, columns), np.repeat(unpack(qzeros, columns), group, axis=0)
-    return np.ascontiguousarray(((q - z) * np.repeat(scales.astype(np.float32), group, axis=0)).T)
+    """The [out, in] matrix of one AWQ module."""
+    return packed_dequantise(qweight, qzeros, scales)
 
 
 def pack(values: np.ndarray) -> np.ndarray:
@@ -283,15 +286,13 @@ def pack(values: np.ndarray) -> np.ndarray:
 
 def two_plane_parts(rng, columns: int, depth: int, group: int, affine: bool) -> list[np.ndarray]:
     """The stored parts (qweight, qzeros or offsets, scales) of a random [columns, depth] weight of 8-bit values u =
-    16 h + l as two planes (ir.packing): each group's high plane (h, zero point Z // 16 or the offset, scale 16 s)
-    then its low plane (l, zero point Z % 16 or no offset, scale s)."""
+    16 h + l as two planes (ir.packing): each group's high plane (h, zero point Z // 16) then its low plane (l,
+    Z % 16), and one scale (or scale and offset) per group."""
     groups = depth // group
     u = rng.integers(0, 256, (groups, group, columns))
-    s = (rng.uniform(0.5, 1.5, (groups, columns)) / 256).astype(np.float16)
+    scales = (rng.uniform(0.5, 1.5, (groups, columns)) / 256).astype(np.float16)
     qweight = pack(np.stack([u >> 4, u & 15], axis=1).reshape(2 * depth, columns))
-    scales = np.stack([s * np.float16(16), s], axis=1).reshape(2 * groups, columns)
     if affine:
-        m = (rng.standard_normal((groups, columns)) / 8).astype(np.float16)
-        return [qweight, np.stack([m, np.zeros_like(m)], axis=1).reshape(2 * groups, columns), scales]
+        return [qweight, (rng.standard_normal((groups, columns)) / 8).astype(np.float16), scales]
     z = rng.integers(0, 256, (groups, columns))
     return [qweight, pack(np.stack([z >> 4, z & 15], axis=1).reshape(2 * groups, columns)), scales]

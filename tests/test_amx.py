@@ -89,7 +89,8 @@ def test_activations_round_to_nearest_bfloat16_ties_to_even():
 @pytest.mark.parametrize("rows,depth,cols,group", [(32, 64, 64, 32), (64, 256, 192, 64), (128, 512, 128, 128),
                                                   (32, 128, 64, 128)])
 @pytest.mark.parametrize("bias", [None, "float16"])
-@pytest.mark.parametrize("kind,planes", [("awq_int4_pairs", 1), ("affine_int4_pairs", 1), ("awq_int4_pairs", 2)])
+@pytest.mark.parametrize("kind,planes", [("awq_int4_pairs", 1), ("affine_int4_pairs", 1), ("awq_int4_pairs", 2),
+                                         ("affine_int4_pairs", 2)])
 def test_amx_awq_products_are_exact_in_the_weights(rows, depth, cols, group, bias, kind, planes):
     """AWQ prefill on AMX tiles: the 4-bit values enter as their exact bfloat16, zero points (or an affine kind's
     offsets) and scales are applied per group in float32, so only the activations are rounded; a weight of planes

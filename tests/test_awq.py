@@ -13,7 +13,8 @@ import shutil
 import numpy as np
 import pytest
 import tvm
-from numpy_reference import affine_dequantise, dequantise, planes_summed, unpack
+from bf16_cases import packed_parts
+from numpy_reference import dequantise, packed_dequantise, unpack
 from safetensors.numpy import load_file, save_file
 
 import models
@@ -169,9 +170,7 @@ def test_packed_linear_kernel_matches_numpy(rows, bias, out, layout):
     packing = Packing(kind, 64, planes)
     rng = np.random.default_rng(rows)
     inp = 256
-    qweight, qzeros, scales = awq_quantize(rng.standard_normal((out, planes * inp)).astype(np.float32) / 16,
-                                           packing.group)
-    offsets = (rng.standard_normal(scales.shape) / 8).astype(np.float16)
+    stored = packed_parts(rng, packing, out, inp)
     x = _activations(rng, rows, inp)
     b = rng.standard_normal(out).astype(np.float16)
     types = [TensorType(x.shape, "float32"), TensorType((out, inp), "float16", packing)]
@@ -183,10 +182,9 @@ def test_packed_linear_kernel_matches_numpy(rows, bias, out, layout):
         asm = lib.mod.inspect_source("s")  # the integer pair dot products are the kernel here
         assert "vpdpwssd" in asm or "vpmaddwd" in asm
     y = tvm.runtime.empty((rows, out), "float32")
-    stored = [qweight, offsets if packing.affine else qzeros, scales]
     parts = TRANSFORMS[packing.transform](stored)
     lib["main"](*[tvm.runtime.tensor(a) for a in (x, *parts) + ((b,) if bias else ())], y)
-    weight = planes_summed((affine_dequantise if packing.affine else dequantise)(*stored), packing.group, planes)
+    weight = packed_dequantise(*stored, planes, packing.affine)
     want = x.astype(np.float64) @ weight.T.astype(np.float64) + (b.astype(np.float64) if bias else 0)
     np.testing.assert_allclose(y.numpy(), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
@@ -197,19 +195,15 @@ def test_packed_embedding_rows_match_numpy(layout):
     dequantiser: ids in every column tile and every slot of a word, repeated and out of order."""
     kind, _, planes = LAYOUTS[layout]
     packing, out, inp = Packing(kind, 64, planes), 384, 256
-    rng = np.random.default_rng(3)
-    qweight, qzeros, scales = awq_quantize(rng.standard_normal((out, planes * inp)).astype(np.float32) / 16,
-                                           packing.group)
-    offsets = (rng.standard_normal(scales.shape) / 8).astype(np.float16)
+    stored = packed_parts(np.random.default_rng(3), packing, out, inp)
     ids = np.array([383, 0, 17, 17, 200, 129, 64, 255, 1, 8], np.int32)
     target = cpu_target()
     func = make_kernel("embedding", [TensorType((out, inp), "float16", packing), TensorType(ids.shape, "int32")],
                        {}).func
     lib = tvm.compile(schedule(func, "embedding", {}, target), target.tvm_target())
-    stored = [qweight, offsets if packing.affine else qzeros, scales]
     y = tvm.runtime.empty((len(ids), inp), "float32")
     lib["main"](*[tvm.runtime.tensor(a) for a in (*TRANSFORMS[packing.transform](stored), ids)], y)
-    weight = planes_summed((affine_dequantise if packing.affine else dequantise)(*stored), packing.group, planes)
+    weight = packed_dequantise(*stored, planes, packing.affine)
     np.testing.assert_allclose(y.numpy(), weight[ids], rtol=1e-6, atol=1e-7 * np.abs(weight).max())
 
 

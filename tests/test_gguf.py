@@ -12,8 +12,7 @@ import gguf
 import numpy as np
 import pytest
 from gguf_fixture import PACKED, permute_for_llama_cpp, random_blocks, write_gguf
-from numpy_reference import affine_dequantise, planes_summed
-from numpy_reference import dequantise as awq_dequantise
+from numpy_reference import packed_dequantise
 
 import models
 from ir import Packing
@@ -118,7 +117,7 @@ def _stored_values(entries, name: str) -> np.ndarray:
     with open(qweight.file, "rb") as f:
         data = f.read()
     arrays = [read_tensor(entry, data) for entry in parts]
-    return planes_summed((affine_dequantise if affine else awq_dequantise)(*arrays), group, planes)
+    return packed_dequantise(*arrays, planes, affine)
 
 
 def test_integer_weights_run_packed_in_the_int4_kernels(case):
@@ -254,7 +253,7 @@ def test_integer_blocks_pack_into_int4_parts_that_hold_their_values(qtype):
     packing = Packing(kind, group, planes)
     parts = [int4_part(qtype, blocks, shape, name) for name, (shape, _) in zip(
         packing.part_names, packing.checkpoint_parts((out, inp), "float32"))]
-    got = planes_summed((affine_dequantise if packing.affine else awq_dequantise)(*parts), group, planes)
+    got = packed_dequantise(*parts, planes, packing.affine)
     want = dequantise(qtype, blocks, (out, inp))
     np.testing.assert_allclose(got, want, rtol=0, atol=np.abs(want).max() * 2.0 ** -23 if packing.affine else 0)
 
