@@ -19,6 +19,7 @@ from ir import TensorType
 from ir.ops import delta_chunk
 from ir.packing import AWQ_PACK, PAIR_SLOTS, Packing, awq_slot, pair_index, pair_scale, pair_value
 from schedules import stages
+from schedules.written import group_scale
 
 F32 = "float32"
 
@@ -117,14 +118,18 @@ def _unpacked(packing: Packing | None, parts: list):
 
         quant = lambda j, r: value(qweight, j, r)  # noqa: E731
         zero = lambda j, r: value(zeros, j, r // group)  # noqa: E731
-        group_float = lambda part, j, k: _f32(part[pair_scale(j, k // group, tile)])  # noqa: E731
+        element = lambda part, j, row: part[pair_scale(j, row, tile)]  # noqa: E731
     else:
         def nibble(word, j):  # column j lies in nibble slot awq_slot(j % 8) of its word
             return tirx.bitwise_and(tirx.shift_right(word, awq_slot(j % AWQ_PACK) * 4), 15)
 
         quant = lambda j, r: nibble(qweight[j // AWQ_PACK // tile, r, j // AWQ_PACK % tile], j)  # noqa: E731
         zero = lambda j, r: nibble(zeros[r // group, j // AWQ_PACK], j)  # noqa: E731
-        group_float = lambda part, j, k: _f32(part[k // group, j])  # noqa: E731
+        element = lambda part, j, row: part[row, j]  # noqa: E731
+
+    def group_float(part, j, k):  # the scale (or offset) of [j, k]
+        return group_scale(lambda row: element(part, j, row), k // group, group, packing.block > 0)
+
     span = packing.planes * group  # packed rows of one logical group: its planes, one after another (high first)
 
     def integer(j, k):  # the integer of [j, k] as float32: q - z, or q (affine), over its planes' packed rows

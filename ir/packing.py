@@ -45,6 +45,14 @@ the high one, Z % 16 for the low one), but the scales and offsets are the logica
 planes (the high plane's scale is 16 s, its offset none): 2 bits a weight fewer than a scale and an offset per
 plane with float32 K-quant scales. A kernel sums the planes' rows one at a time (schedules.written.group_product
 scales each) or unpacks 16 h + l as one value (schedules.avx512_bf16.dpbf16_awq_gemm).
+
+Two-level scales (`Packing.block` = KQ_BLOCK; a GGUF file's K-quants, Q4_K, Q5_K, Q6_K): a group's scale is a
+block's float times the group's 8-bit integer, d * c, as the file keeps it (exact in float32: d is a float16, c
+has 8 bits), and so is an affine kind's offset. The scales (and offsets) part is then int32 words, per block of
+KQ_BLOCK input rows and column: the float32 d as its bits, then the block's groups' c as signed bytes, four a word,
+group g of a block in byte g % 4 of word 1 + g // 4 (`block_scale_rows`):
+    scales int32 [in / KQ_BLOCK * (1 + KQ_BLOCK / group / 4), out], laid out in the pairs layout like any scales.
+A weight of 4-bit values and groups of 32 then reads 4.75 bits a weight, not 6; Q6_K's two planes 9.1, not 10.5.
 """
 
 from __future__ import annotations
@@ -59,6 +67,8 @@ CPU_PACKINGS = {"awq_int4": "awq_int4_pairs", "affine_int4": "affine_int4_pairs"
 AWQ_PACK = 8  # 4-bit values per int32 word
 AWQ_TILE_WORDS = 16  # words of qweight per column tile: a 64-byte cache line
 PAIR_SLOTS = 4  # columns per word of the pairs layout (each in two rows)
+KQ_BLOCK = 256  # input rows of a block of two-level scales (llama.cpp's K-quant super-block)
+SCALE_BYTES = 4  # a block's groups' integer scales per word
 
 
 def awq_column(slot):
@@ -77,14 +87,17 @@ AWQ_ORDER = tuple(awq_column(slot) for slot in range(AWQ_PACK))  # (0, 2, 4, 6, 
 
 @dataclass(frozen=True)
 class Packing:
-    """How a weight matrix is packed: a kind from PACKINGS and its group (input rows per scale and zero point)."""
+    """How a weight matrix is packed: a kind from PACKINGS, its group (input rows per scale and zero point), its
+    planes, and its block (KQ_BLOCK: two-level scales; 0: a float scale per group)."""
 
     kind: str
     group: int
     planes: int = 1
+    block: int = 0
 
     def __str__(self) -> str:
-        return f"{self.kind}(g{self.group}{f',x{self.planes}' if self.planes > 1 else ''})"
+        return (f"{self.kind}(g{self.group}{f',x{self.planes}' if self.planes > 1 else ''}"
+                f"{f',b{self.block}' if self.block else ''})")
 
     def problem(self, shape: tuple) -> str | None:
         """Why a logical [out, in] matrix of `shape` cannot be packed this way, or None."""
@@ -101,6 +114,11 @@ class Packing:
             return f"group {self.group} is odd; the kernels read input rows in pairs, so groups must be even"
         if self.planes not in (1, 2):
             return f"{self.planes!r} planes; a packed weight has one (4-bit values) or two (up to 8 bits)"
+        if self.block not in (0, KQ_BLOCK):
+            return f"block {self.block!r}; two-level scales come in blocks of {KQ_BLOCK} rows, else 0 (none)"
+        if self.block and (self.block % (self.group * SCALE_BYTES) or inp % self.block):
+            return (f"blocks of {self.block} rows must hold a multiple of {SCALE_BYTES} groups of {self.group} and "
+                    f"divide the {inp} input rows")
         return None
 
     @property
@@ -127,9 +145,15 @@ class Packing:
         """(shape, dtype) of each checkpoint tensor of a logical [out, in] matrix of `dtype` (`part_names`): qweight
         and qzeros of its planes * in packed rows, offsets and scales of its in rows."""
         (out, inp), rows = shape, shape[1] * self.planes
-        scales = ((inp // self.group, out), dtype)
+        scales = ((inp // self.block * self.block_words, out), "int32") if self.block else ((inp // self.group, out),
+                                                                                            dtype)
         zeros = scales if self.affine else ((rows // self.group, out // AWQ_PACK), "int32")
         return (((rows, out // AWQ_PACK), "int32"), zeros, scales)
+
+    @property
+    def block_words(self) -> int:
+        """Words of two-level scales per block and column: the float, then the groups' integers."""
+        return 1 + self.block // self.group // SCALE_BYTES
 
     def parts(self, shape: tuple[int, int], dtype: str) -> tuple[tuple[tuple[int, ...], str], ...]:
         """(shape, dtype) of each part kernels take, in order: qweight, qzeros or offsets (both in the kind's layout),
@@ -137,12 +161,29 @@ class Packing:
         ((rows, words), _), zeros, scales = self.checkpoint_parts(shape, dtype)
         if self.paired:
             tile = pair_tile_words(shape[0])
-            tiles, groups = shape[0] // (PAIR_SLOTS * tile), scales[0][0]
-            laid = ((tiles, groups, PAIR_SLOTS * tile), dtype)
+            tiles = shape[0] // (PAIR_SLOTS * tile)
+            laid = ((tiles, scales[0][0], PAIR_SLOTS * tile), scales[1])
             return (((tiles, rows // 2, tile), "int32"), laid if self.affine else ((tiles, -(-zeros[0][0] // 2), tile),
                                                                                      "int32"), laid)
         tile = awq_tile_words(words)
         return (((words // tile, rows, tile), "int32"), zeros, scales)
+
+
+def block_scale_rows(g, group: int):
+    """Where the two-level scale of group g (of `group` rows) lies in its scales part: (the row of its block's
+    float, the row of the word of its integer, the bit shift of its byte); plain arithmetic, as `pair_position`."""
+    words = 1 + KQ_BLOCK // group // SCALE_BYTES
+    return g * group // KQ_BLOCK * words, g * group // KQ_BLOCK * words + 1 + g % (KQ_BLOCK // group) // SCALE_BYTES, \
+        g % SCALE_BYTES * 8
+
+
+def scale_groups(rows: int, depth: int, two_level: bool) -> int:
+    """The groups of x of a packed weight of `depth` input rows whose scales part has `rows` rows (a layout's
+    groups axis): one a row, or with two-level scales those of its blocks' words."""
+    if not two_level:
+        return rows
+    blocks = depth // KQ_BLOCK
+    return blocks * (rows // blocks - 1) * SCALE_BYTES
 
 
 def logical_row(row, group: int, planes: int):

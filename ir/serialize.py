@@ -12,7 +12,7 @@ FORMAT_VERSION = 5
 
 
 def _type(t: TensorType) -> dict:
-    packing = {"packing": [t.packing.kind, t.packing.group, t.packing.planes]} if t.packing else {}
+    packing = {"packing": [t.packing.kind, t.packing.group, t.packing.planes, t.packing.block]} if t.packing else {}
     return {"shape": list(t.shape), "dtype": t.dtype, **packing}
 
 

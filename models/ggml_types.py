@@ -8,16 +8,17 @@ Projections of the integer types (INT_TYPES: all but Q2_K and Q3_K) are not deco
 type's values are integers u with a scale and a zero point Z, W = (u - Z) * s (Q4_0, Q5_0, Q6_K, Q8_0), or an offset,
 W = u * s + m (Q4_1, Q5_1, Q4_K, Q5_K), per group of 32 (Q6_K: 16). Those are ir.packing's awq_int4 and affine_int4,
 exactly, a value of 5, 6 or 8 bits as two 4-bit planes, u = 16 h + l. Their bits are repacked into the words the INT4
-kernels read and their scales (and offsets) laid out per group: float16s as they are, the K-quants' products as
-float32 (exact, as llama.cpp computes them). Bits a weight a decode step reads, ours (llama.cpp's): Q4_0 4.6 (4.5),
-Q4_1 5 (5), Q4_K 6 (4.5), Q5_0 8.8 (5.5), Q5_1 9 (6), Q5_K 10 (5.5), Q6_K 10.5 (6.6), Q8_0 8.8 (8.5); 16 decoded.
+kernels read and their scales (and offsets) laid out per group: float16s as they are, the K-quants' as their two
+levels (a block's float16 times a group's 6- or 8-bit integer, whose float32 product is llama.cpp's). Bits a weight
+a decode step reads, ours (llama.cpp's): Q4_0 4.6 (4.5), Q4_1 5 (5), Q4_K 4.75 (4.5), Q5_0 8.8 (5.5), Q5_1 9 (6),
+Q5_K 8.75 (5.5), Q6_K 9.1 (6.6), Q8_0 8.8 (8.5); 16 decoded.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ir.packing import AWQ_PACK
+from ir.packing import AWQ_PACK, KQ_BLOCK, SCALE_BYTES
 
 from .quantization import awq_pack
 
@@ -30,11 +31,14 @@ OTHER_TYPES = {15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_
                22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M"}
 SUPPORTED = ", ".join(name for name, _, _ in (*RAW_TYPES.values(), *BLOCK_TYPES.values()))
 _BLOCK_BYTES = {name: size for name, _, size in BLOCK_TYPES.values()}
+_BLOCK_VALUES = {name: values for name, values, _ in BLOCK_TYPES.values()}
 INT_TYPES = {  # the types whose values are integers with a scale and a zero point or offset per group: the INT4
-    # packing each takes (ir.packing: kind, group, planes) and the dtype its scales and offsets are held as
-    "Q4_0": ("awq_int4", 32, 1, "F16"), "Q4_1": ("affine_int4", 32, 1, "F16"), "Q4_K": ("affine_int4", 32, 1, "F32"),
-    "Q5_0": ("awq_int4", 32, 2, "F16"), "Q5_1": ("affine_int4", 32, 2, "F16"), "Q5_K": ("affine_int4", 32, 2, "F32"),
-    "Q6_K": ("awq_int4", 16, 2, "F32"), "Q8_0": ("awq_int4", 32, 2, "F16")}
+    # packing each takes (ir.packing: kind, group, planes, block) and the dtype its scales and offsets are held as
+    # (the K-quants': two-level scales, int32 words)
+    "Q4_0": ("awq_int4", 32, 1, 0, "F16"), "Q4_1": ("affine_int4", 32, 1, 0, "F16"),
+    "Q4_K": ("affine_int4", 32, 1, KQ_BLOCK, "I32"), "Q5_0": ("awq_int4", 32, 2, 0, "F16"),
+    "Q5_1": ("affine_int4", 32, 2, 0, "F16"), "Q5_K": ("affine_int4", 32, 2, KQ_BLOCK, "I32"),
+    "Q6_K": ("awq_int4", 16, 2, KQ_BLOCK, "I32"), "Q8_0": ("awq_int4", 32, 2, 0, "F16")}
 _TWO_BIT_SHIFTS = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
 
 
@@ -85,6 +89,15 @@ def _q3_k_scales(s: np.ndarray) -> np.ndarray:
     return (packed | (pairs << 4)).astype(np.float32) - 32
 
 
+def _two_level(encoding: str, b: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """A K-quant's blocks [n, bytes] -> its scales' two levels (d [n, 1] float32, c [n, groups] integers: the scale
+    is d * c) and, Q4_K and Q5_K, its offsets' (-dmin and the minimums: the offset is -dmin * m), else None."""
+    if encoding == "Q6_K":
+        return (_half(b, 208), b[:, 192:208].view(np.int8).astype(np.float32)), None
+    scales, mins = _k4_scales(b[:, 4:16])
+    return (_half(b, 0), scales), (-_half(b, 2), mins)
+
+
 def _integers(encoding: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | int]:
     """Blocks [n, bytes] of a type of INT_TYPES -> (u [n, values] unsigned integers, s [n, sub-blocks] float32
     scales, and the zero point: an integer Z, W = (u - Z) * s, or float32 offsets m [n, sub-blocks], W = u * s + m),
@@ -100,17 +113,18 @@ def _integers(encoding: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     if encoding == "Q5_1":
         return _nibbles(b[:, 8:]) | _fifth_bits(b, 4), _half(b, 0), _half(b, 2)
     if encoding in ("Q4_K", "Q5_K"):
-        scales, mins = _k4_scales(b[:, 4:16])
+        (d, scales), (dmin, mins) = _two_level(encoding, b)
         q = _k4_layout(b[:, 16:144] if encoding == "Q4_K" else b[:, 48:176])
         if encoding == "Q5_K":
             bits = np.unpackbits(b[:, 16:48, None], axis=2, bitorder="little")  # bit j: chunk j of 32 values
             q = q | (bits.transpose(0, 2, 1).reshape(-1, 256) * np.uint8(16))
-        return q, _half(b, 0) * scales, -(_half(b, 2) * mins)
+        return q, d * scales, dmin * mins
     if encoding == "Q6_K":
         ql, qh = b[:, 0:128].reshape(-1, 2, 2, 32), b[:, 128:192].reshape(-1, 2, 1, 32)  # [n, half, 2, 32]
         low = np.concatenate([ql & 0xF, ql >> 4], axis=2)  # [n, half, 4, 32]
         high = (qh >> _TWO_BIT_SHIFTS) & 3
-        return (low | (high << 4)).reshape(-1, 256), _half(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32), 32
+        (d, scales), _ = _two_level(encoding, b)
+        return (low | (high << 4)).reshape(-1, 256), d * scales, 32
     raise ValueError(f"no integers for {encoding}")
 
 
@@ -142,18 +156,22 @@ def dequantise(encoding: str, raw: np.ndarray, shape: tuple[int, ...]) -> np.nda
 def int4_part(encoding: str, raw: np.ndarray, shape: tuple[int, int], part: str, rope_rows: int = 0) -> np.ndarray:
     """Part `part` (qweight, qzeros or offsets, scales; of `shape`) of the INT4 packing of INT_TYPES[encoding] that
     holds the same values as a matrix stored as `encoding` blocks (`raw`: its bytes, uint8), the words as int32, the
-    scales and offsets as float32 (exact; held as INT_TYPES says); with `rope_rows`, its rows first put back in
+    scales and offsets as float32 (exact; held as INT_TYPES says), a K-quant's as its two levels (ir.packing's
+    two-level scales: the block's float16 and its groups' 6- or 8-bit integers); with `rope_rows`, its rows first
+    put back in
     Hugging Face's order (`rope_rows_in_order`). A value of more than 4 bits is two planes, u = 16 h + l: h with
     the zero point Z // 16, l with Z % 16; the scale (and offset) are the value's, one for both (ir.packing)."""
-    _, group, planes, _ = INT_TYPES[encoding]
-    rows = shape[0] * (1 if part == "qweight" else group)  # qweight and qzeros: of the packed rows, planes * in
+    _, group, planes, block, _ = INT_TYPES[encoding]
     out = shape[1] * (AWQ_PACK if part in ("qweight", "qzeros") else 1)
-    inp = rows // planes if part in ("qweight", "qzeros") else rows
-    groups = inp // group
     blocks = np.ascontiguousarray(raw).reshape(out, -1, _BLOCK_BYTES[encoding])
+    inp = blocks.shape[1] * _BLOCK_VALUES[encoding]
+    groups = inp // group
     if rope_rows:
         blocks = rope_rows_in_order(blocks, rope_rows)
-    u, scale, zero = _integers(encoding, blocks.reshape(-1, _BLOCK_BYTES[encoding]))
+    blocks = blocks.reshape(-1, _BLOCK_BYTES[encoding])
+    if block and part in ("scales", "offsets"):
+        return _two_level_words(_two_level(encoding, blocks)[part != "scales"], out)
+    u, scale, zero = _integers(encoding, blocks)
     if part == "qweight":
         u = u.reshape(out, groups, 1, group)
         planed = np.concatenate([u >> 4, u & 15], axis=2) if planes == 2 else u  # [out, group, plane, row]
@@ -162,6 +180,16 @@ def int4_part(encoding: str, raw: np.ndarray, shape: tuple[int, int], part: str,
         zeros = np.array([zero // 16, zero % 16] if planes == 2 else [zero], np.uint8)
         return awq_pack(np.broadcast_to(np.tile(zeros, groups)[:, None], (planes * groups, out)))
     return np.ascontiguousarray((scale if part == "scales" else zero).reshape(out, groups).T)
+
+
+def _two_level_words(levels: tuple[np.ndarray, np.ndarray], out: int) -> np.ndarray:
+    """A K-quant's two levels (d [out * blocks, 1], c [out * blocks, groups]) -> the scales part of ir.packing's
+    two-level scales, int32 [blocks * words, out]: each block's d as float32 bits, then its c as bytes."""
+    d, c = levels
+    blocks, groups = len(d) // out, c.shape[1]
+    words = np.concatenate([d.astype(np.float32).view(np.int32), c.astype(np.int8).view(np.uint8).reshape(
+        -1, groups // SCALE_BYTES, SCALE_BYTES).copy().view("<i4").reshape(-1, groups // SCALE_BYTES)], axis=1)
+    return np.ascontiguousarray(words.reshape(out, blocks * (1 + groups // SCALE_BYTES)).T)
 
 
 def rope_rows_in_order(array: np.ndarray, head_dim: int) -> np.ndarray:

@@ -208,7 +208,7 @@ def gguf_tensors(path: Path) -> dict[str, TensorEntry]:
         for part, (shape, dtype) in zip(packing.part_names, packing.checkpoint_parts(entry.shape, "float32")):
             out[f"{module}.{part}"] = TensorEntry(
                 f"{module}.{part}", entry.file, entry.start, entry.end,
-                "I32" if dtype == "int32" else INT_TYPES[entry.encoding][3], shape, entry.encoding, rope_rows,
+                "I32" if dtype == "int32" else INT_TYPES[entry.encoding][4], shape, entry.encoding, rope_rows,
                 part)
     return out
 
@@ -231,7 +231,7 @@ def _packable(hf_name: str) -> bool:
 def _packed(gguf: GgufFile) -> dict[str, Packing]:
     """The projections, embedding and head (GGUF names) stored in an integer type that the INT4 kernels read as they
     are (shape permitting), and their packing (models.ggml_types.INT_TYPES)."""
-    packings = {name: Packing(*INT_TYPES[entry.encoding][:3]) for name, entry in gguf.tensors.items()
+    packings = {name: Packing(*INT_TYPES[entry.encoding][:4]) for name, entry in gguf.tensors.items()
                 if entry.encoding in INT_TYPES and _packable(_hf_name(name))}
     return {name: p for name, p in packings.items() if p.problem(gguf.tensors[name].shape) is None}
 

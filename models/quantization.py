@@ -4,8 +4,8 @@ Quantisation is data, not a model: the builders ask `linear` for a product of a 
 params made here say whether that module's weight is a float tensor or packed (ir.packing) over the checkpoint
 tensors that hold it. Supported: AutoAWQ GEMM INT4 (`quant_method` awq, `bits` 4, `version` gemm,
 `zero_point` true), as Qwen publishes its *-Instruct-AWQ checkpoints. A GGUF file's packed projections
-(models.gguf) come as such a config too, with our own key `packed_modules`: module -> [kind, group, planes] of
-those packed otherwise (ir.packing: float offsets for Q4_1 and Q4_K, planes for the wider blocks).
+(models.gguf) come as such a config too, with our own key `packed_modules`: module -> [kind, group, planes, block] of
+those packed otherwise (ir.packing: float offsets for Q4_1 and Q4_K, planes for the wider blocks, two-level scales for the K-quants).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def awq_config(group: int, modules_to_not_convert: tuple[str, ...] = (),
                packed_modules: dict[str, Packing] | None = None) -> dict:
     """The quantization_config transformers writes for an AutoAWQ GEMM INT4 checkpoint of this group size (with
     `packed_modules`, our key for modules packed otherwise, if any)."""
-    own = {module: [p.kind, p.group, p.planes] for module, p in (packed_modules or {}).items()}
+    own = {module: [p.kind, p.group, p.planes, p.block] for module, p in (packed_modules or {}).items()}
     return {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True,
             "modules_to_not_convert": list(modules_to_not_convert) or None} | ({"packed_modules": own} if own else {})
 
@@ -91,9 +91,11 @@ def read_quantization(cfg: ConfigReader) -> AwqQuantization | None:
     if not isinstance(skip, list) or not all(isinstance(m, str) and m for m in skip):
         raise q.error("modules_to_not_convert", f"must be a list of module names, got {skip!r}")
     own = q.get("packed_modules", {})
-    if not isinstance(own, dict) or not all(isinstance(v, list) and len(v) == 3 and v[0] in PACKINGS
-                                            and all(isinstance(n, int) and n > 0 for n in v[1:]) for v in own.values()):
-        raise q.error("packed_modules", f"must map module names to [kind, group, planes] (kinds: "
+    if not isinstance(own, dict) or not all(isinstance(v, list) and len(v) == 4 and v[0] in PACKINGS
+                                            and all(isinstance(n, int) and n >= 0 for n in v[1:])
+                                            and Packing(*v).problem((AWQ_PACK, v[3] or v[1])) is None
+                                            for v in own.values()):
+        raise q.error("packed_modules", f"must map module names to [kind, group, planes, block] (kinds: "
                                         f"{', '.join(PACKINGS)}), got {own!r}")
     return AwqQuantization(group, tuple(skip), tuple((m, Packing(*v)) for m, v in own.items()))
 
@@ -147,7 +149,8 @@ def packed_tensors(shapes: Mapping[str, tuple[int, ...]], quant: AwqQuantization
 def make_params(shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str], default: str,
                 quant: AwqQuantization | None) -> dict[str, Param]:
     """The weight map: a param per float-layout weight in `shapes`, of its checkpoint dtype (`default` when not
-    given); a packed one is typed by its packing, over its parts, in the dtype of its scales."""
+    given); a packed one is typed by its packing, over its parts, in the dtype of its scales (two-level ones, int32
+    words of float32 products: float32)."""
     params = {}
     for name, shape in shapes.items():
         packing = _packing(quant, name, shape)
@@ -155,6 +158,6 @@ def make_params(shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str]
             params[name] = Param(name, TensorType(shape, dtypes.get(name, default)))
             continue
         sources = tuple(_parts(name, packing, shape))
-        params[name] = Param(name, TensorType(shape, dtypes.get(sources[2], default), packing), sources,
-                             packing.transform)
+        dtype = "float32" if packing.block else dtypes.get(sources[2], default)
+        params[name] = Param(name, TensorType(shape, dtype, packing), sources, packing.transform)
     return params

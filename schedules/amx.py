@@ -19,7 +19,7 @@ from tvm.script import tirx as T
 from ir.packing import PAIR_SLOTS, pair_column
 
 from .written import (PAIR_ROWS, bf16_bits, group_product, linear_func, nibble_pairs, nibble_table,
-                      pack_activation_pairs, packed_linear_func, transpose, widened)
+                      pack_activation_pairs, packed_groups, packed_linear_func, transpose, widened)
 
 TILE = PAIR_ROWS  # rows per tile (16); a tile row holds 64 bytes: 32 bfloat16 or 16 float32
 DEPTH = 32  # bfloat16 depth per dot product
@@ -158,9 +158,8 @@ def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     x_buf, q_buf, z_buf, s_buf = func.params[:4]
     m, k = (int(d) for d in x_buf.shape)
     tiles, pairs, words = (int(d) for d in q_buf.shape)
-    planes = 2 * pairs // k
-    groups = int(s_buf.shape[1]) * planes  # packed groups: planes (ir.packing) of each group of x
-    group = 2 * pairs // groups
+    planes, groups, group = packed_groups(x_buf, s_buf, pairs)
+    groups *= planes  # packed groups: planes (ir.packing) of each group of x
     if words != TILE or m % BLOCK or group % DEPTH or x_buf.dtype != "float32":
         return None
     steps, columns = group // DEPTH, PAIR_SLOTS * words  # depth steps a group; columns a task
@@ -211,7 +210,7 @@ def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
                         yacc[rows * BLOCK + xt * TILE + r, (2 * half + nt) * TILE + c] = yacc[
                             rows * BLOCK + xt * TILE + r, (2 * half + nt) * TILE + c] + group_product(
                             qz, sc, task, g, 2 * half + nt, c, words, acc[xt, nt, r, c],
-                            xsum[rows * BLOCK + xt * TILE + r, g // planes], planes)
+                            xsum[rows * BLOCK + xt * TILE + r, g // planes], planes, group=group)
             for r, n, c in T.grid(m, PAIR_SLOTS, TILE):
                 ys[r, pair_column(task, n, c, words)] = first(pair_column(task, n, c, words)) + yacc[r, n * TILE + c]
             T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))

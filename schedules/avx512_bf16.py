@@ -33,7 +33,7 @@ from tvm.script import tirx as T
 from ir.packing import PAIR_SLOTS, pair_column
 
 from .written import (PAIR_ROWS, byte_pairs, group_product, linear_func, nibble_pairs, nibble_table,
-                      pack_activation_pairs, packed_linear_func, transpose, widened)
+                      pack_activation_pairs, packed_groups, packed_linear_func, transpose, widened)
 
 LANES = PAIR_ROWS  # float32 lanes of a zmm register (16): token rows per vector
 DEPTH_BLOCK_PAIRS = 512  # depth pairs per pass (1024 depth): a tile's activations and a task's weights stay in L2
@@ -189,8 +189,8 @@ def dpbf16_awq_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.Prim
     x_buf, q_buf, s_buf = func.params[0], func.params[1], func.params[3]
     m, k = (int(d) for d in x_buf.shape)
     tiles, pairs, words = (int(d) for d in q_buf.shape)
-    planes = 2 * pairs // k
-    groups = int(s_buf.shape[1]) * planes  # packed groups: planes (ir.packing) of each group of x
+    planes, groups, group = packed_groups(x_buf, s_buf, pairs)
+    groups *= planes  # packed groups: planes (ir.packing) of each group of x
     group_pairs, columns = pairs // groups, PAIR_SLOTS * words
     if words != LANES or m % LANES or pairs % groups or x_buf.dtype != "float32":
         return None
@@ -229,7 +229,7 @@ def dpbf16_awq_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.Prim
                 part[placed(ct, h, c), (tv * vecs + v) * LANES + lane] = part[
                     placed(ct, h, c), (tv * vecs + v) * LANES + lane] + group_product(
                     qz, sc, task, g, nibble(ct, h, c), word(ct, h, c), words, acc[c, v, lane],
-                    xsum[tv * vecs + v, g, lane], planes, whole=planes == 2)
+                    xsum[tv * vecs + v, g, lane], planes, whole=planes == 2, group=group)
 
     @T.macro
     def products(x, qw, qz, sc, ys, first):

@@ -43,7 +43,7 @@ from tvm.script import tirx as T
 from ir.packing import PAIR_SLOTS, logical_row, pair_column
 
 from .avx512_bf16 import DOT as BF16_DOT
-from .written import PAIR_MASK, bf16_bits, group_product, packed_linear_func, prefetch, widened
+from .written import PAIR_MASK, bf16_bits, group_product, packed_groups, packed_linear_func, prefetch, widened
 
 PREFETCH_PAIRS = 64  # row pairs ahead the first pass over a tile asks for (into L2): 4 KiB of a 16-word tile
 X_BLOCK = 128  # input rows per activation scale, at most
@@ -186,11 +186,10 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False,
     x_buf, q_buf, z_buf, s_buf = func.params[:4]
     m, k = (int(d) for d in x_buf.shape)
     tiles, pairs, words = (int(d) for d in q_buf.shape)
-    groups = int(s_buf.shape[1])  # scales [tiles, groups, 4 tile]: the groups of x
+    planes, _, group = packed_groups(x_buf, s_buf, pairs)
     bf16_dot = bf16_ir is not None
     depth = 2 * pairs  # packed rows: a weight of planes (ir.packing) has more than x has columns
-    group, block = k // groups, x_block(k // groups)
-    planes = depth // k
+    block = x_block(group)
     if words % lanes or lanes not in (8, 16) or (bf16_dot and lanes != 16):
         return None
     vecs, terms = words // lanes, 1 if bf16_dot else 2
@@ -215,10 +214,10 @@ def awq_linear(func: tirx.PrimFunc, lanes: int, vnni: bool = False,
         (group g); with bf16_ir, from its one float32 sum of x * (128 + q) and x's sum."""
         if bf16_dot:
             return group_product(qz, sc, task, g, n, word, words, sum1 - T.float32(BF16_BIAS) * xs_sum, xs_sum,
-                                 planes)
+                                 planes, group=group)
         unit = T.Select(n == IN_PLACE, T.float32(1 / 16), T.float32(1))  # 16 ** -n for n <= IN_PLACE
         sum_xq = d * unit * (T.Cast("float32", sum1) + T.Cast("float32", sum2) * T.float32(1 / SPLIT))
-        return group_product(qz, sc, task, g, n, word, words, sum_xq, xs_sum, planes)
+        return group_product(qz, sc, task, g, n, word, words, sum_xq, xs_sum, planes, group=group)
 
     @T.macro
     def dots(acc, xw, term, w, task, rt, vt, pair, x_pair):

@@ -7,7 +7,7 @@ import operator
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ir.packing import pair_order, pair_scale, pair_value
+from ir.packing import block_scale_rows, pair_order, pair_scale, pair_value, scale_groups
 
 CACHE_LINE = 64  # bytes: what one prefetch brings in
 FLOATS_PER_LINE = CACHE_LINE // 4
@@ -176,20 +176,43 @@ def byte_pairs(high, low, n):
                                       T.broadcast(T.uint32(0xFFFF0000), lanes)))
 
 
-def group_product(zeros, scales, task, g, n, word, tile: int, sum_xq, sum_x, planes: int = 1, whole: bool = False):
+def group_scale(read, g, group: int, two_level: bool):
+    """The float32 scale (or offset) of group g (of `group` rows) of one column, `read(row)` giving the element of
+    that column at a row of its scales part: the element, or, two-level (ir.packing), its block's float times its
+    signed byte."""
+    if not two_level:
+        return tirx.Cast("float32", read(g))
+    block, word, shift = block_scale_rows(g, group)
+    byte = tirx.shift_right(tirx.shift_left(read(word), 24 - shift), 24)  # sign-extended: arithmetic shifts
+    return tirx.reinterpret("float32", read(block)) * tirx.Cast("float32", byte)
+
+
+def packed_groups(x_buf, s_buf, pairs: int) -> tuple[int, int, int]:
+    """(planes, groups of x, rows a group) of a packed weight of `pairs` packed row pairs in the pairs layout, its
+    scales part `s_buf` (int32: two-level, ir.packing), multiplied with x `x_buf`."""
+    k = int(x_buf.shape[1])
+    groups = scale_groups(int(s_buf.shape[1]), k, s_buf.dtype == "int32")
+    return 2 * pairs // k, groups, k // groups
+
+
+def group_product(zeros, scales, task, g, n, word, tile: int, sum_xq, sum_x, planes: int = 1, whole: bool = False,
+                  group: int = 0):
     """A group's sum of x * W[column] for the column of word `word` in nibble n of column tile `task` (the pairs
     layout, ir.packing), from x's sum with the 4-bit values (sum_xq) and x's own sum (sum_x): s * (sum_xq - z *
     sum_x) with AWQ zero points, s * sum_xq + m * sum_x with an affine kind's offsets (`zeros` of a float dtype).
     g is a packed group: with two `planes`, plane g % 2 of x's group g // 2, whose scale s is 16 times the logical
     group's for the high plane (0), whose offset m counts on the low plane (1) only; or, `whole`, g is a group of x
-    and sum_xq its sum with the values 16 h + l (`byte_pairs`): z = 16 z_h + z_l."""
-    at = pair_scale(pair_order(task, n, word, tile), g if whole else g // planes, tile)
-    scale = T.Cast("float32", scales[at])
+    and sum_xq its sum with the values 16 h + l (`byte_pairs`): z = 16 z_h + z_l. Two-level scales and offsets
+    (ir.packing, int32 words: offsets shaped as the scales, zero points never) take the rows of a group (`group`)."""
+    index = pair_order(task, n, word, tile)
+    logical = g if whole else g // planes
+    two_level = scales.dtype == "int32"
+    scale = group_scale(lambda row: scales[pair_scale(index, row, tile)], logical, group, two_level)
     low = None if whole or planes == 1 else g % planes == planes - 1  # whether g is a low plane, where it varies
     if low is not None:
         scale = scale * T.Select(low, T.float32(1), T.float32(16))
-    if zeros.dtype != "int32":
-        offset = T.Cast("float32", zeros[at]) * sum_x
+    if zeros.dtype != "int32" or two_level and tuple(zeros.shape) == tuple(scales.shape):
+        offset = group_scale(lambda row: zeros[pair_scale(index, row, tile)], logical, group, two_level) * sum_x
         return scale * sum_xq + (offset if low is None else T.Select(low, offset, T.float32(0)))
     if whole:  # the row pair of packed groups 2g (high: its even row) and 2g + 1 (low: its odd row)
         zero = pair_value(zeros[task, g, word], 0, n) * 16 + pair_value(zeros[task, g, word], 1, n)

@@ -93,19 +93,31 @@ def assert_bf16_prefill_tracks(ours: CompiledModel, hf, prompt: list[int]) -> No
 
 def packed_parts(rng, packing: Packing, out: int, inp: int) -> list[np.ndarray]:
     """The stored parts (qweight, qzeros or offsets, scales) of a random [out, inp] weight packed as `packing`: AWQ's
-    quantiser's for 4-bit values, random 8-bit values as two planes (`numpy_reference.two_plane_parts`)."""
+    quantiser's for 4-bit values, random 8-bit values as two planes (`numpy_reference.two_plane_parts`); with
+    two-level scales (a K-quant's), random floats per block of 256 rows times random signed bytes per group."""
     if packing.planes == 2:
-        return ref.two_plane_parts(rng, out, inp, packing.group, packing.affine)
-    qweight, qzeros, scales = awq_quantize((rng.standard_normal((out, inp)) / 16).astype(np.float32), packing.group)
-    return [qweight, (rng.standard_normal(scales.shape) / 8).astype(np.float16) if packing.affine else qzeros, scales]
+        parts = ref.two_plane_parts(rng, out, inp, packing.group, packing.affine)
+    else:
+        qweight, qzeros, scales = awq_quantize((rng.standard_normal((out, inp)) / 16).astype(np.float32),
+                                               packing.group)
+        parts = [qweight, (rng.standard_normal(scales.shape) / 8).astype(np.float16) if packing.affine else qzeros,
+                 scales]
+    if packing.block:
+        blocks, per_block = inp // packing.block, packing.block // packing.group
+        level = lambda size: ref.two_level_words(  # noqa: E731
+            rng.uniform(0.5, 1.5, (blocks, out)).astype(np.float16) * np.float16(size),
+            rng.integers(-128, 128, (blocks, per_block, out)))
+        parts[2] = level(2.0 ** -12)
+        parts[1] = level(2.0 ** -9) if packing.affine else parts[1]
+    return parts
 
 
 def awq_product_case(rng, rows: int, depth: int, cols: int, group: int, bias: str | None, kind: str,
-                     planes: int) -> tuple:
+                     planes: int, block: int = 0) -> tuple:
     """(the `linear` kernel of a weight packed as `kind` with `planes` planes, its inputs as the runtime passes them,
     the product in float64 with x rounded to bfloat16 and the weights exact): one group of x far larger than the
     rest, so a per-group sum of x that went wrong shows."""
-    packing = Packing(kind, group, planes)
+    packing = Packing(kind, group, planes, block)
     stored = packed_parts(rng, packing, cols, depth)
     x = rng.standard_normal((rows, depth)).astype(np.float32)
     x[:, :group] *= 3e2

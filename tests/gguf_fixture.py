@@ -83,7 +83,7 @@ def write_gguf(model_dir: Path, out_dir: Path, qtype: str = "F16", *, rope_freqs
         own = next((t for suffix, t in (types or {}).items() if name.endswith(suffix)), qtype) if w.ndim == 2 else "F32"
         data, kind, values = _encode(w, own, rng)
         packed = own in PACKED and (name.endswith(PROJECTION) or name in VOCABULARY_MATRICES) and \
-            Packing(*INT_TYPES[own][:3]).problem(w.shape) is None
+            Packing(*INT_TYPES[own][:4]).problem(w.shape) is None
         decoded = own in BLOCKS and not packed
         stored[name] = values.astype(np.float16).astype(np.float32) if decoded else values
         if arch == "llama" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):

@@ -256,6 +256,9 @@ def packed_dequantise(qweight, zeros, scales, planes: int = 1, affine: bool = Fa
     q * s + m (`affine`: `zeros` the float offsets m). With two planes each group's packed rows are its high plane
     (h, zero point z_h) then its low one (l, z_l), and q = 16 h + l, z = 16 z_h + z_l: one scale (and offset) for
     both."""
+    if scales.dtype == np.int32:  # two-level scales (and offsets)
+        scales = two_level(scales, qweight.shape[0] // planes)
+        zeros = two_level(zeros, qweight.shape[0] // planes) if affine else zeros
     columns, groups = scales.shape[1], scales.shape[0]
     group = qweight.shape[0] // planes // groups
     q = unpack(qweight, columns).reshape(groups, planes, group, columns)
@@ -264,6 +267,24 @@ def packed_dequantise(qweight, zeros, scales, planes: int = 1, affine: bool = Fa
     value = (q * 16 ** np.arange(planes - 1, -1, -1).reshape(1, planes, 1, 1)).sum(axis=1)
     w = value * scales.astype(np.float64)[:, None, :] + (zeros.astype(np.float64)[:, None, :] if affine else 0)
     return np.ascontiguousarray(w.reshape(groups * group, columns).T)
+
+
+def two_level(words: np.ndarray, depth: int) -> np.ndarray:
+    """Two-level scales [blocks * words, columns] int32 of a weight of `depth` input rows (a block per 256) -> the
+    float64 scale of each group [groups, columns]: the block's first word as a float32 times the group's signed
+    byte, the block's groups' bytes in its next words, first byte first."""
+    blocks, columns = depth // 256, words.shape[1]
+    per_block = words.reshape(blocks, -1, columns)
+    d = per_block[:, 0].view(np.float32).astype(np.float64)  # [blocks, columns]
+    c = np.ascontiguousarray(per_block[:, 1:].transpose(0, 2, 1)).view(np.int8)  # [blocks, columns, groups]
+    return (d[:, None, :] * c.transpose(0, 2, 1)).reshape(-1, columns)
+
+
+def two_level_words(d: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """The inverse of `two_level`: floats d [blocks, columns] and signed bytes c [blocks, groups a block, columns]
+    -> words [blocks * (1 + groups a block / 4), columns]."""
+    bytes_ = np.ascontiguousarray(c.astype(np.int8).transpose(0, 2, 1)).view(np.int32).transpose(0, 2, 1)
+    return np.concatenate([d.astype(np.float32).view(np.int32)[:, None, :], bytes_], axis=1).reshape(-1, d.shape[1])
 
 
 def affine_dequantise(qweight, offsets, scales) -> np.ndarray:

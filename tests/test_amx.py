@@ -17,7 +17,7 @@ from compiler.build import build
 from compiler.kernels import make_kernel
 from compiler.target import cpu_target
 from ir import TensorType
-from ir.packing import Packing
+from ir.packing import KQ_BLOCK, Packing
 from models.tiny import write_tiny_checkpoint
 from runtime import CompiledModel
 from ir.contract import ArtifactError
@@ -102,6 +102,19 @@ def test_amx_awq_products_are_exact_in_the_weights(rows, depth, cols, group, bia
     out = tvm.runtime.empty((rows, cols), "float32", tvm.cpu())
     lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)
     assert "tdpbf16ps" in lib.mod.inspect_source("asm")
+    np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=2e-6 * float(np.abs(want).max()))
+
+
+@needs_amx
+@pytest.mark.parametrize("kind,planes", [("affine_int4_pairs", 1), ("awq_int4_pairs", 2), ("affine_int4_pairs", 2)])
+def test_amx_awq_products_with_two_level_scales_are_exact_in_the_weights(kind, planes):
+    """A GGUF K-quant's two-level scales and offsets (ir.packing) on AMX tiles: two blocks of eight groups."""
+    kernel, inputs, want = awq_product_case(RNG, 32, 512, 64, 32, "float16", kind, planes, KQ_BLOCK)
+    target = cpu_target(matmul_precision="bfloat16")
+    lib = tvm.compile(cpu.schedule(kernel, "linear", {}, target), target.tvm_target())
+    enable_amx()
+    out = tvm.runtime.empty((32, 64), "float32", tvm.cpu())
+    lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)
     np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=2e-6 * float(np.abs(want).max()))
 
 

@@ -25,6 +25,7 @@ from compiler.target import TargetError, cpu_target
 from ir import TensorType
 from ir.contract import ArtifactError
 from ir.cpu_features import host_cpu_flags
+from ir.packing import KQ_BLOCK
 from models.tiny import write_tiny_checkpoint
 from runtime import CompiledModel
 from schedules import cpu
@@ -115,6 +116,16 @@ def test_awq_products_are_exact_in_the_weights(rows, depth, cols, group, bias, k
     kind's offsets) and scales are applied per group in float32, so only the activations are rounded; a weight of
     two planes enters as its 8-bit values 16 h + l, exact too."""
     kernel, inputs, want = awq_product_case(RNG, rows, depth, cols, group, bias, kind, planes)
+    got = run(dpbf16_awq_gemm(kernel, PORTABLE_DOT), inputs, rows, cols)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("rows,depth,cols,group", [(32, 512, 64, 32), (48, 256, 128, 16)])
+@pytest.mark.parametrize("kind,planes", [("affine_int4_pairs", 1), ("awq_int4_pairs", 2), ("affine_int4_pairs", 2)])
+def test_awq_products_with_two_level_scales_are_exact_in_the_weights(rows, depth, cols, group, kind, planes):
+    """A GGUF K-quant's scales and offsets as its two levels (ir.packing: a block's float times a group's byte),
+    over several blocks and several words of bytes a block: exact in the weights as above."""
+    kernel, inputs, want = awq_product_case(RNG, rows, depth, cols, group, "float16", kind, planes, KQ_BLOCK)
     got = run(dpbf16_awq_gemm(kernel, PORTABLE_DOT), inputs, rows, cols)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * float(np.abs(want).max()))
 

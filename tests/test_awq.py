@@ -23,7 +23,7 @@ from compiler.kernels import make_kernel
 from compiler.target import cpu_target
 from ir import IRError, Packing, TensorType, infer_types
 from ir.cpu_features import host_cpu_flags
-from ir.packing import pair_column, pair_index, pair_position, pair_scale, pair_tile_words
+from ir.packing import KQ_BLOCK, pair_column, pair_index, pair_position, pair_scale, pair_tile_words
 from models.checkpoint import CheckpointError
 from models.quantization import awq_pack
 from models.tiny import awq_quantize, tiny_config, write_tiny_checkpoint
@@ -137,16 +137,38 @@ def test_packed_types_are_checked_by_the_verifier():
                                TensorType((32, 62), "float16", Packing("awq_int4_pairs", 31))], {})
     with pytest.raises(IRError, match="group 48 does not divide the 64 input rows"):
         infer_types("linear", [x, TensorType((32, 64), "float16", Packing("awq_int4", 48))], {})
+    k_quant = TensorType((64, 512), "float32", Packing("affine_int4_pairs", 32, 1, KQ_BLOCK))
+    assert [str(t) for t in k_quant.parts()] == ["int32[1, 256, 16]", "int32[1, 6, 64]", "int32[1, 6, 64]"]  # two
+    # blocks of a float and two words of eight bytes
+    with pytest.raises(IRError, match="blocks of 256 rows must hold a multiple of 4 groups of 128"):
+        infer_types("linear", [TensorType((3, 512), "float32"),
+                               TensorType((64, 512), "float32", Packing("affine_int4_pairs", 128, 1, KQ_BLOCK))], {})
+    with pytest.raises(IRError, match="divide the 320 input rows"):
+        infer_types("linear", [TensorType((3, 320), "float32"),
+                               TensorType((64, 320), "float32", Packing("affine_int4_pairs", 32, 1, KQ_BLOCK))], {})
+    with pytest.raises(IRError, match="block 128; two-level scales come in blocks of 256"):
+        infer_types("linear", [TensorType((3, 512), "float32"),
+                               TensorType((64, 512), "float32", Packing("affine_int4_pairs", 32, 1, 128))], {})
     with pytest.raises(IRError, match="not a multiple of the 8"):
         infer_types("linear", [x, TensorType((30, 64), "float16", Packing("awq_int4", 32))], {})
     with pytest.raises(IRError, match="rms_norm weight cannot be packed"):
         infer_types("rms_norm", [x, TensorType((64,), "float16", Packing("awq_int4", 32))], {"eps": 1e-6})
 
 
-LAYOUTS = {"cpu": ("awq_int4_pairs", None, 1), "cpu-avx2": ("awq_int4_pairs", "x86-64-v3", 1),
-           "gpu": ("awq_int4", None, 1), "cpu-affine": ("affine_int4_pairs", None, 1), "gpu-affine": ("affine_int4", None, 1),
-           "cpu-planes": ("awq_int4_pairs", None, 2), "cpu-affine-planes": ("affine_int4_pairs", None, 2),
-           "gpu-planes": ("awq_int4", None, 2)}
+LAYOUTS = {"cpu": ("awq_int4_pairs", None, 1, 0), "cpu-avx2": ("awq_int4_pairs", "x86-64-v3", 1, 0),
+           "gpu": ("awq_int4", None, 1, 0), "cpu-affine": ("affine_int4_pairs", None, 1, 0),
+           "gpu-affine": ("affine_int4", None, 1, 0), "cpu-planes": ("awq_int4_pairs", None, 2, 0),
+           "cpu-affine-planes": ("affine_int4_pairs", None, 2, 0), "gpu-planes": ("awq_int4", None, 2, 0),
+           # two-level scales (a GGUF file's K-quants: Q4_K, Q5_K, Q6_K), groups of 32: two words of bytes a block
+           "cpu-k": ("affine_int4_pairs", None, 1, KQ_BLOCK), "cpu-k-planes": ("awq_int4_pairs", None, 2, KQ_BLOCK),
+           "cpu-k-affine-planes": ("affine_int4_pairs", None, 2, KQ_BLOCK), "gpu-k": ("affine_int4", None, 1, KQ_BLOCK),
+           "gpu-k-planes": ("awq_int4", None, 2, KQ_BLOCK)}
+
+
+def _packing(layout: str) -> Packing:
+    """The packing of a test layout: groups of 64 rows, or 32 with two-level scales."""
+    kind, _, planes, block = LAYOUTS[layout]
+    return Packing(kind, 32 if block else 64, planes, block)
 
 
 def _activations(rng, rows, inp):
@@ -166,10 +188,10 @@ def test_packed_linear_kernel_matches_numpy(rows, bias, out, layout):
     """Each layout's kernel (the GPU's: its definition, run here) against the independent dequantiser; rows of 16 or
     fewer, and rows no multiple of the SIMD width, take the integer dot products on a CPU. Affine kinds take float
     offsets in place of the zero points; a weight of planes, the sum of each group's planes."""
-    kind, mcpu, planes = LAYOUTS[layout]
-    packing = Packing(kind, 64, planes)
+    mcpu, planes = LAYOUTS[layout][1:3]
+    packing = _packing(layout)
     rng = np.random.default_rng(rows)
-    inp = 256
+    inp = 512
     stored = packed_parts(rng, packing, out, inp)
     x = _activations(rng, rows, inp)
     b = rng.standard_normal(out).astype(np.float16)
@@ -193,8 +215,8 @@ def test_packed_linear_kernel_matches_numpy(rows, bias, out, layout):
 def test_packed_embedding_rows_match_numpy(layout):
     """A packed table's rows looked up by id (a GGUF file's embedding), each layout, against the independent
     dequantiser: ids in every column tile and every slot of a word, repeated and out of order."""
-    kind, _, planes = LAYOUTS[layout]
-    packing, out, inp = Packing(kind, 64, planes), 384, 256
+    packing, out, inp = _packing(layout), 384, 512
+    planes = packing.planes
     stored = packed_parts(np.random.default_rng(3), packing, out, inp)
     ids = np.array([383, 0, 17, 17, 200, 129, 64, 255, 1, 8], np.int32)
     target = cpu_target()

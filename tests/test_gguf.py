@@ -111,7 +111,7 @@ def _stored_values(entries, name: str) -> np.ndarray:
         with open(entries[name].file, "rb") as f:
             return np.asarray(read_tensor(entries[name], f.read()), np.float32)
     qweight = entries[f"{module}.qweight"]
-    kind, group, planes, _ = INT_TYPES[qweight.encoding]
+    kind, group, planes, block, _ = INT_TYPES[qweight.encoding]
     affine = kind.startswith("affine")
     parts = [entries[f"{module}.{part}"] for part in ("qweight", "offsets" if affine else "qzeros", "scales")]
     with open(qweight.file, "rb") as f:
@@ -122,21 +122,23 @@ def _stored_values(entries, name: str) -> np.ndarray:
 
 def test_integer_weights_run_packed_in_the_int4_kernels(case):
     """A file with projections of an integer block type is an INT4 model: its projections, embedding and head are
-    packed params (AWQ's zero points, or float offsets; two planes for 5-, 6- and 8-bit values; the embedding's rows
-    unpacked as they are looked up), everything else the file's values; other types hold every weight as values."""
+    packed params (AWQ's zero points, or float offsets; two planes for 5-, 6- and 8-bit values; a K-quant's scales
+    as their two levels; the embedding's rows unpacked as they are looked up), everything else the file's values; other types hold every weight as values."""
     ours, _, qtype, _ = case
     packings = {p.name: p.packing for p in ours.manifest.params}
-    words = sum(str(a.dtype) == "int32" for a in ours._params)  # what the runtime holds: packed words and zeros
+    words = sum(str(a.dtype) == "int32" for a in ours._params)  # what the runtime holds: packed words, zeros and
+    # two-level scales and offsets
     if qtype not in PACKED:
         assert ours.manifest.quantization is None and not any(packings.values()) and words == 0
         return
     packed = [name for name in packings if name.endswith("_proj.weight") or name in VOCABULARY_MATRICES]
     assert {"model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight"} < set(packed)
     assert ours.config.tie_word_embeddings or "lm_head.weight" in packed
-    kind, group, planes, _ = INT_TYPES[qtype]
-    assert all(packings[name] == str(Packing(f"{kind}_pairs", group, planes)) for name in packed)
+    kind, group, planes, block, _ = INT_TYPES[qtype]
+    assert all(packings[name] == str(Packing(f"{kind}_pairs", group, planes, block)) for name in packed)
     assert ours.manifest.quantization.packed_params == len(packed)
-    assert words == (1 if kind.startswith("affine") else 2) * len(packed)
+    two_level = 2 if kind.startswith("affine") else 1  # a K-quant's scales (and offsets) as int32 words
+    assert words == ((1 if kind.startswith("affine") else 2) + (two_level if block else 0)) * len(packed)
 
 
 def test_gguf_tokenizer_and_chat_template_are_the_checkpoints(case):
@@ -199,15 +201,18 @@ def test_a_vocabulary_no_packing_takes_stays_float16_beside_packed_projections(t
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("ptxas") is None, reason="no CUDA toolkit installed")
 def test_a_4_bit_gguf_model_builds_for_cuda(tmp_path):
-    """Q4_0's zero points, Q4_1's offsets and Q8_0's planes as the GPU kernels read them (column tiles): the model
-    builds for CUDA and ptxas accepts every kernel."""
-    model_dir = write_tiny_checkpoint(tmp_path / "hf", arch="qwen2", seed=14)
-    path = write_gguf(model_dir, tmp_path / "gguf", "Q4_0", types={"mlp.up_proj.weight": "Q4_1",
-                                                                  "mlp.down_proj.weight": "Q8_0"})
+    """Q4_0's zero points, Q4_1's offsets, Q8_0's planes and the K-quants' two-level scales (Q4_K's with offsets,
+    Q6_K's with planes) as the GPU kernels read them (column tiles): the model builds for CUDA and ptxas accepts
+    every kernel."""
+    model_dir = write_tiny_checkpoint(tmp_path / "hf", arch="qwen2", hidden_size=256, intermediate_size=512, seed=14)
+    path = write_gguf(model_dir, tmp_path / "gguf", "Q4_0", types={
+        "mlp.up_proj.weight": "Q4_1", "mlp.down_proj.weight": "Q8_0", "mlp.gate_proj.weight": "Q4_K",
+        "self_attn.v_proj.weight": "Q6_K"})
     out = build(path.parent, target="cuda", out=tmp_path / "artifact", prefill_buckets=(16,), max_context=64,
                 quiet=True).path
     packings = {p["packing"] for p in json.loads((out / "manifest.json").read_text())["params"]}
-    assert {"awq_int4(g32)", "affine_int4(g32)", "awq_int4(g32,x2)"} <= packings
+    assert {"awq_int4(g32)", "affine_int4(g32)", "awq_int4(g32,x2)", "affine_int4(g32,b256)",
+            "awq_int4(g16,x2,b256)"} <= packings
     assembled = subprocess.run(["ptxas", "-arch=sm_90", str(out / "kernels.ptx"), "-o", "/dev/null"],
                                capture_output=True, text=True)
     assert assembled.returncode == 0, assembled.stderr
@@ -247,10 +252,10 @@ def test_block_dequantisation_matches_gguf_py(qtype):
 def test_integer_blocks_pack_into_int4_parts_that_hold_their_values(qtype):
     """Each integer type's INT4 parts (planes summed) hold what llama.cpp decodes, which the test above holds to
     gguf-py: exactly, the K-quants with offsets to float32's rounding (another order of the same products)."""
-    kind, group, planes, _ = INT_TYPES[qtype]
+    kind, group, planes, block, _ = INT_TYPES[qtype]
     out, inp = 16, 512
     blocks = random_blocks(out, inp, qtype, np.random.default_rng(1)).reshape(-1)
-    packing = Packing(kind, group, planes)
+    packing = Packing(kind, group, planes, block)
     parts = [int4_part(qtype, blocks, shape, name) for name, (shape, _) in zip(
         packing.part_names, packing.checkpoint_parts((out, inp), "float32"))]
     got = packed_dequantise(*parts, planes, packing.affine)
