@@ -42,9 +42,9 @@ group of packed rows, group after group: packed group g * planes + p holds plane
 plane first). The packed matrix has planes * in rows, and a kernel reads x[i] for each of its planes' rows
 (`logical_row`); the words and zero points are those of a plain 4-bit weight, a zero point per plane (Z // 16 for
 the high one, Z % 16 for the low one), but the scales and offsets are the logical groups', one of each for both
-planes (the high plane's scale is 16 s, its offset none): 2 bits a weight fewer than a scale and an offset per
-plane with float32 K-quant scales. A kernel sums the planes' rows one at a time (schedules.written.group_product
-scales each) or unpacks 16 h + l as one value (schedules.avx512_bf16.dpbf16_awq_gemm).
+planes (the high plane's scale is 16 s, its offset none), half the bytes of a scale (and offset) per plane. A
+kernel sums the planes' rows one at a time (schedules.written.group_product scales each) or unpacks 16 h + l as one
+value (schedules.avx512_bf16.dpbf16_awq_gemm).
 
 Two-level scales (`Packing.block` = KQ_BLOCK; a GGUF file's K-quants, Q4_K, Q5_K, Q6_K): a group's scale is a
 block's float times the group's 8-bit integer, d * c, as the file keeps it (exact in float32: d is a float16, c
