@@ -93,6 +93,10 @@ CONFIG_ERRORS = [
     ({"group_size": 1}, "group_size", "is 1, but model.layers.0.self_attn.q_proj.weight [64, 64] cannot be packed: "
                                       "group 1 is odd; the kernels read input rows in pairs, so groups must be even"),
     ({"modules_to_not_convert": "lm_head"}, "modules_to_not_convert", "must be a list of module names"),
+    ({"packed_modules": {"model.layers.0.mlp.down_proj": ["awq_int4", 32, 2]}}, "packed_modules",
+     "must map module names to [kind, group, planes, block]"),
+    ({"packed_modules": {"model.layers.0.mlp.down_proj": ["awq_int4", 32, 2, 128]}}, "packed_modules",
+     "[kind, group, planes, block]"),  # two-level scales come in blocks of 256 rows
 ]
 
 
