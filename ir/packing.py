@@ -145,15 +145,10 @@ class Packing:
         """(shape, dtype) of each checkpoint tensor of a logical [out, in] matrix of `dtype` (`part_names`): qweight
         and qzeros of its planes * in packed rows, offsets and scales of its in rows."""
         (out, inp), rows = shape, shape[1] * self.planes
-        scales = ((inp // self.block * self.block_words, out), "int32") if self.block else ((inp // self.group, out),
-                                                                                            dtype)
+        scales = ((inp // self.block * block_words(self.group), out), "int32") if self.block else (
+            (inp // self.group, out), dtype)
         zeros = scales if self.affine else ((rows // self.group, out // AWQ_PACK), "int32")
         return (((rows, out // AWQ_PACK), "int32"), zeros, scales)
-
-    @property
-    def block_words(self) -> int:
-        """Words of two-level scales per block and column: the float, then the groups' integers."""
-        return 1 + self.block // self.group // SCALE_BYTES
 
     def parts(self, shape: tuple[int, int], dtype: str) -> tuple[tuple[tuple[int, ...], str], ...]:
         """(shape, dtype) of each part kernels take, in order: qweight, qzeros or offsets (both in the kind's layout),
@@ -169,12 +164,22 @@ class Packing:
         return (((words // tile, rows, tile), "int32"), zeros, scales)
 
 
+def block_words(group: int) -> int:
+    """Words of two-level scales per block and column for groups of `group` rows: the float, then the integers."""
+    return 1 + KQ_BLOCK // group // SCALE_BYTES
+
+
 def block_scale_rows(g, group: int):
     """Where the two-level scale of group g (of `group` rows) lies in its scales part: (the row of its block's
     float, the row of the word of its integer, the bit shift of its byte); plain arithmetic, as `pair_position`."""
-    words = 1 + KQ_BLOCK // group // SCALE_BYTES
-    return g * group // KQ_BLOCK * words, g * group // KQ_BLOCK * words + 1 + g % (KQ_BLOCK // group) // SCALE_BYTES, \
-        g % SCALE_BYTES * 8
+    first = g * group // KQ_BLOCK * block_words(group)
+    return first, first + 1 + g % (KQ_BLOCK // group) // SCALE_BYTES, g % SCALE_BYTES * 8
+
+
+def two_level(part, scales=None) -> bool:
+    """Whether a packed weight's part (its scales, or, given its `scales`, its zero points or offsets; buffers or
+    arrays: dtype and shape) holds two-level scales: int32 words shaped as its scales (zero points never are)."""
+    return str(part.dtype) == "int32" and (scales is None or tuple(part.shape) == tuple(scales.shape))
 
 
 def scale_groups(rows: int, depth: int, two_level: bool) -> int:

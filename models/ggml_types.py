@@ -89,7 +89,7 @@ def _q3_k_scales(s: np.ndarray) -> np.ndarray:
     return (packed | (pairs << 4)).astype(np.float32) - 32
 
 
-def _two_level(encoding: str, b: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+def _two_level(encoding: str, b: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], tuple | None]:
     """A K-quant's blocks [n, bytes] -> its scales' two levels (d [n, 1] float32, c [n, groups] integers: the scale
     is d * c) and, Q4_K and Q5_K, its offsets' (-dmin and the minimums: the offset is -dmin * m), else None."""
     if encoding == "Q6_K":
@@ -158,9 +158,9 @@ def int4_part(encoding: str, raw: np.ndarray, shape: tuple[int, int], part: str,
     holds the same values as a matrix stored as `encoding` blocks (`raw`: its bytes, uint8), the words as int32, the
     scales and offsets as float32 (exact; held as INT_TYPES says), a K-quant's as its two levels (ir.packing's
     two-level scales: the block's float16 and its groups' 6- or 8-bit integers); with `rope_rows`, its rows first
-    put back in
-    Hugging Face's order (`rope_rows_in_order`). A value of more than 4 bits is two planes, u = 16 h + l: h with
-    the zero point Z // 16, l with Z % 16; the scale (and offset) are the value's, one for both (ir.packing)."""
+    put back in Hugging Face's order (`rope_rows_in_order`). A value of more than 4 bits is two planes, u = 16 h +
+    l: h with the zero point Z // 16, l with Z % 16; the scale (and offset) are the value's, one for both
+    (ir.packing)."""
     _, group, planes, block, _ = INT_TYPES[encoding]
     out = shape[1] * (AWQ_PACK if part in ("qweight", "qzeros") else 1)
     blocks = np.ascontiguousarray(raw).reshape(out, -1, _BLOCK_BYTES[encoding])

@@ -4,8 +4,9 @@ Quantisation is data, not a model: the builders ask `linear` for a product of a 
 params made here say whether that module's weight is a float tensor or packed (ir.packing) over the checkpoint
 tensors that hold it. Supported: AutoAWQ GEMM INT4 (`quant_method` awq, `bits` 4, `version` gemm,
 `zero_point` true), as Qwen publishes its *-Instruct-AWQ checkpoints. A GGUF file's packed projections
-(models.gguf) come as such a config too, with our own key `packed_modules`: module -> [kind, group, planes, block] of
-those packed otherwise (ir.packing: float offsets for Q4_1 and Q4_K, planes for the wider blocks, two-level scales for the K-quants).
+(models.gguf) come as such a config too, with our own key `packed_modules`: module -> [kind, group, planes, block]
+of those packed otherwise (ir.packing: float offsets for Q4_1 and Q4_K, planes for the wider blocks, two-level
+scales for the K-quants).
 """
 
 from __future__ import annotations

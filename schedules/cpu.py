@@ -139,9 +139,9 @@ STREAM_BYTES = 4096  # bytes of consecutive weights each stream of a one-pass pr
 def depth_block(m: int, n: int, k: int, step: int, x_bytes: int, w_bytes: int, l1_bytes: int) -> int:
     """The depth `_rows_gemv` passes over its weight rows at a time, for m x rows of depth k (`x_bytes` an element)
     and n weight rows (`w_bytes` an element): k, one pass, while the x rows and the weight row they meet fit in L1
-    (`l1_bytes`) together; else the largest multiple of `step` dividing k whose slice of x fills at most GEMV_X_BLOCK_BYTES,
-    unless that is under a quarter of it (a depth of few divisors: the partial sums would go to memory every few
-    steps, so one pass instead)."""
+    (`l1_bytes`) together; else the largest multiple of `step` dividing k whose slice of x fills at most
+    GEMV_X_BLOCK_BYTES, unless that is under a quarter of it (a depth of few divisors: the partial sums would go to
+    memory every few steps, so one pass instead)."""
     if (m * x_bytes + w_bytes) * k <= l1_bytes or n % GEMV_TASK_ROWS:
         return k
     widest = GEMV_X_BLOCK_BYTES // (x_bytes * m) // step * step
@@ -175,12 +175,12 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
     turns over a tile's weights, which stay in L1, so up to GEMV_MAX_ROWS rows fit whatever the register count. When
     the x rows and a weight row outgrow L1 together (`depth_block`, at the target's `l1_bytes`), a task holds
     GEMV_TASK_ROWS weight rows and passes over them one depth block at a time, so the block's slice of x stays in L1
-    for all of them (the partial sums wait in memory between blocks); its tile is then the shape with the fewest loads per product (4 weight rows
-    where the registers allow: 25 GB/s against 22 for one row, four x rows of [2048, 5632]). On AMD Zen 4 against
-    one pass, bf16 weights: one float32 x row of [2048, 8192] 1.05 of numpy's rate against 0.87, [1536, 8960] 1.50
-    against 1.05; two of [2048, 4096] 0.94 against 0.75; float16 [2048, 11008] 0.76 against 0.54; in dot products
-    one row of [3584, 18944] 0.88 against 0.73, four of [2048, 3584] 0.93 against 0.73. One row of float32 weights
-    is left to `_gemv`.
+    for all of them (the partial sums wait in memory between blocks); its tile is then the shape with the fewest
+    loads per product (4 weight rows where the registers allow: 25 GB/s against 22 for one row, four x rows of
+    [2048, 5632]). On AMD Zen 4 against one pass, bf16 weights: one float32 x row of [2048, 8192] 1.05 of numpy's
+    rate against 0.87, [1536, 8960] 1.50 against 1.05; two of [2048, 4096] 0.94 against 0.75; float16 [2048, 11008]
+    0.76 against 0.54; in dot products one row of [3584, 18944] 0.88 against 0.73, four of [2048, 3584] 0.93 against
+    0.73. One row of float32 weights is left to `_gemv`.
 
     With `dot_ir` (bfloat16 weights, a bf16 build on AVX512-BF16: `schedules.avx512_bf16`; which products take it:
     `rows_on_dot_products`), the x rows are rounded to bfloat16 once and a step's products are dot products of

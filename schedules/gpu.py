@@ -13,7 +13,7 @@ from math import gcd
 
 from tvm import s_tir, tirx
 
-from ir.packing import AWQ_PACK, scale_groups
+from ir.packing import AWQ_PACK, scale_groups, two_level
 
 from . import stages
 from .gpu_attention import paged_attention
@@ -138,8 +138,7 @@ def _packed_gemv(sch: s_tir.Schedule, block, dequant) -> None:
     i, j, k = sch.get_loops(block)
     rows, words, depth = static_extent(sch, i), static_extent(sch, j) // AWQ_PACK, static_extent(sch, k)
     zeros, scales = sch.mod["main"].params[2:4]
-    two_level = zeros.dtype == "int32" and tuple(zeros.shape) == tuple(scales.shape)  # offsets as two levels
-    group = depth // scale_groups(int(zeros.shape[0]), depth, two_level)  # qzeros or offsets: a row per group
+    group = depth // scale_groups(int(zeros.shape[0]), depth, two_level(zeros, scales))  # qzeros or offsets
     row_tile = next(r for r in range(DECODE_ROWS, 0, -1) if rows % r == 0)
     word_tile = next(w for w in (DECODE_WORDS, 4, 2, 1) if words % w == 0)
     lanes = next(n for n in (WARP, 16, 8, 4, 2, 1) if depth % n == 0)
@@ -157,7 +156,7 @@ def _packed_gemv(sch: s_tir.Schedule, block, dequant) -> None:
     # the zero-point word (or offsets) and scales, where a chunk reads one of each (not two-level ones: a block's
     # float and a group's word, rows apart)
     chunk_constants = [sch.cache_read(dequant, index, "local") for index, part in ((1, zeros), (2, scales))
-                       if not (part.dtype == "int32" and tuple(part.shape) == tuple(scales.shape))]
+                       if not two_level(part, scales)]
     for stage in chunk_constants:
         sch.compute_at(stage, step, preserve_unit_loops=True)
     sch.bind(lane, "threadIdx.y")  # not fused with the word: buffer compaction still sees a chunk's one group

@@ -7,7 +7,7 @@ import operator
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ir.packing import block_scale_rows, pair_order, pair_scale, pair_value, scale_groups
+from ir.packing import block_scale_rows, pair_order, pair_scale, pair_value, scale_groups, two_level
 
 CACHE_LINE = 64  # bytes: what one prefetch brings in
 FLOATS_PER_LINE = CACHE_LINE // 4
@@ -176,11 +176,11 @@ def byte_pairs(high, low, n):
                                       T.broadcast(T.uint32(0xFFFF0000), lanes)))
 
 
-def group_scale(read, g, group: int, two_level: bool):
+def group_scale(read, g, group: int, levels: bool):
     """The float32 scale (or offset) of group g (of `group` rows) of one column, `read(row)` giving the element of
-    that column at a row of its scales part: the element, or, two-level (ir.packing), its block's float times its
-    signed byte."""
-    if not two_level:
+    that column at a row of its scales part: the element, or, two-level (`levels`, ir.packing), its block's float
+    times its signed byte."""
+    if not levels:
         return tirx.Cast("float32", read(g))
     block, word, shift = block_scale_rows(g, group)
     byte = tirx.shift_right(tirx.shift_left(read(word), 24 - shift), 24)  # sign-extended: arithmetic shifts
@@ -191,7 +191,7 @@ def packed_groups(x_buf, s_buf, pairs: int) -> tuple[int, int, int]:
     """(planes, groups of x, rows a group) of a packed weight of `pairs` packed row pairs in the pairs layout, its
     scales part `s_buf` (int32: two-level, ir.packing), multiplied with x `x_buf`."""
     k = int(x_buf.shape[1])
-    groups = scale_groups(int(s_buf.shape[1]), k, s_buf.dtype == "int32")
+    groups = scale_groups(int(s_buf.shape[1]), k, two_level(s_buf))
     return 2 * pairs // k, groups, k // groups
 
 
@@ -206,13 +206,13 @@ def group_product(zeros, scales, task, g, n, word, tile: int, sum_xq, sum_x, pla
     (ir.packing, int32 words: offsets shaped as the scales, zero points never) take the rows of a group (`group`)."""
     index = pair_order(task, n, word, tile)
     logical = g if whole else g // planes
-    two_level = scales.dtype == "int32"
-    scale = group_scale(lambda row: scales[pair_scale(index, row, tile)], logical, group, two_level)
+    levels = two_level(scales)
+    scale = group_scale(lambda row: scales[pair_scale(index, row, tile)], logical, group, levels)
     low = None if whole or planes == 1 else g % planes == planes - 1  # whether g is a low plane, where it varies
     if low is not None:
         scale = scale * T.Select(low, T.float32(1), T.float32(16))
-    if zeros.dtype != "int32" or two_level and tuple(zeros.shape) == tuple(scales.shape):
-        offset = group_scale(lambda row: zeros[pair_scale(index, row, tile)], logical, group, two_level) * sum_x
+    if zeros.dtype != "int32" or two_level(zeros, scales):
+        offset = group_scale(lambda row: zeros[pair_scale(index, row, tile)], logical, group, levels) * sum_x
         return scale * sum_xq + (offset if low is None else T.Select(low, offset, T.float32(0)))
     if whole:  # the row pair of packed groups 2g (high: its even row) and 2g + 1 (low: its odd row)
         zero = pair_value(zeros[task, g, word], 0, n) * 16 + pair_value(zeros[task, g, word], 1, n)

@@ -287,16 +287,6 @@ def two_level_words(d: np.ndarray, c: np.ndarray) -> np.ndarray:
     return np.concatenate([d.astype(np.float32).view(np.int32)[:, None, :], bytes_], axis=1).reshape(-1, d.shape[1])
 
 
-def affine_dequantise(qweight, offsets, scales) -> np.ndarray:
-    """The [out, in] matrix of an affine INT4 module (ir.packing affine_int4): q * s + m per group."""
-    return packed_dequantise(qweight, offsets, scales, affine=True)
-
-
-def dequantise(qweight, qzeros, scales) -> np.ndarray:
-    """The [out, in] matrix of one AWQ module."""
-    return packed_dequantise(qweight, qzeros, scales)
-
-
 def pack(values: np.ndarray) -> np.ndarray:
     """[rows, columns] 4-bit values -> [rows, columns / 8] int32 words (the inverse of `unpack`)."""
     words = np.zeros((values.shape[0], values.shape[1] // 8), np.uint32)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tvm
 from bf16_cases import packed_parts
-from numpy_reference import dequantise, packed_dequantise, unpack
+from numpy_reference import packed_dequantise, unpack
 from safetensors.numpy import load_file, save_file
 
 import models
@@ -42,7 +42,8 @@ def dequantised_checkpoint(awq_dir, out_dir):
     for name, array in tensors.items():
         if name.endswith(".qweight"):
             module = name.removesuffix(".qweight")
-            plain[f"{module}.weight"] = dequantise(array, tensors[f"{module}.qzeros"], tensors[f"{module}.scales"])
+            plain[f"{module}.weight"] = packed_dequantise(array, tensors[f"{module}.qzeros"],
+                                                          tensors[f"{module}.scales"])
         elif not name.endswith((".qzeros", ".scales")):
             plain[name] = np.ascontiguousarray(array, dtype=np.float32)
     save_file(plain, out_dir / "model.safetensors")
@@ -67,7 +68,7 @@ def test_quantised_matrix_dequantises_close_to_the_float_one(group):
     groups = 1 if group == -1 else 128 // group
     assert qweight.shape == (128, 3) and qzeros.shape == (groups, 3) and scales.shape == (groups, 24)
     assert scales.dtype == np.float16
-    err = np.abs(dequantise(qweight, qzeros, scales) - weight)
+    err = np.abs(packed_dequantise(qweight, qzeros, scales) - weight)
     assert (err <= np.repeat(scales.astype(np.float32), 128 // groups, axis=0).T * 0.5 + 1e-3).all()
 
 

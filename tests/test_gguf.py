@@ -123,7 +123,8 @@ def _stored_values(entries, name: str) -> np.ndarray:
 def test_integer_weights_run_packed_in_the_int4_kernels(case):
     """A file with projections of an integer block type is an INT4 model: its projections, embedding and head are
     packed params (AWQ's zero points, or float offsets; two planes for 5-, 6- and 8-bit values; a K-quant's scales
-    as their two levels; the embedding's rows unpacked as they are looked up), everything else the file's values; other types hold every weight as values."""
+    as their two levels; the embedding's rows unpacked as they are looked up), everything else the file's values;
+    other types hold every weight as values."""
     ours, _, qtype, _ = case
     packings = {p.name: p.packing for p in ours.manifest.params}
     words = sum(str(a.dtype) == "int32" for a in ours._params)  # what the runtime holds: packed words, zeros and
