@@ -68,11 +68,13 @@ def gguf_file(model_dir: Path, outtype: str, work: Path, source: str | None) -> 
 
 
 QUANT_TYPES = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
-               "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+               "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K", "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M",
+               "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
+               "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K"}
 
 
 def quantized_gguf(model_dir: Path, qtype: str, work: Path, source: str | None) -> Path:
-    """`model_dir` as a GGUF quantised to `qtype` (q4_0, q4_1, q8_0, q4_k_m) by llama.cpp's own quantiser
+    """`model_dir` as a GGUF quantised to `qtype` (one of QUANT_TYPES) by llama.cpp's own quantiser
     (llama_model_quantize of the llama-cpp-python build that runs it) from the F16 conversion; made once and reused."""
     import llama_cpp
 

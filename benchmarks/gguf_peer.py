@@ -8,8 +8,8 @@ real-shape checkpoint, so the files are what users download: llama.cpp's tensor 
 Q4_K with Q6_K), its SentencePiece vocabulary, Llama's permuted q/k rows. Per file it prints one JSON line:
 whether the prompt's tokens are llama.cpp's, the prompt's last logits against llama.cpp's (largest difference
 relative to llama.cpp's largest logit; llama.cpp rounds activations for its quantised products, we do not), how
-many of 16 greedy tokens agree, how many weights we ran packed (projections, embedding and head of every integer
-block type but Q2_K and Q3_K, in the INT4 kernels; the rest decoded to float16 at load), and prefill (the prompt,
+many of 16 greedy tokens agree, how many weights we ran packed (projections, embedding and head of every block
+type, in the INT4 kernels), and prefill (the prompt,
 in chunks of 64) and decode tokens/s of both, alternating (medians of --runs).
 """
 

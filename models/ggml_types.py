@@ -4,14 +4,16 @@ A block type stores a row in blocks of 32 values (256 for the K-quants), each bl
 follows llama.cpp's `dequantize_row_*` arithmetic (float32, in its order), so every value is the float llama.cpp
 itself computes before its products.
 
-Projections of the integer types (INT_TYPES: all but Q2_K and Q3_K) are not decoded at all (`int4_part`): each
-type's values are integers u with a scale and a zero point Z, W = (u - Z) * s (Q4_0, Q5_0, Q6_K, Q8_0), or an offset,
-W = u * s + m (Q4_1, Q5_1, Q4_K, Q5_K), per group of 32 (Q6_K: 16). Those are ir.packing's awq_int4 and affine_int4,
-exactly, a value of 5, 6 or 8 bits as two 4-bit planes, u = 16 h + l. Their bits are repacked into the words the INT4
-kernels read and their scales (and offsets) laid out per group: float16s as they are, the K-quants' as their two
-levels (a block's float16 times a group's 6- or 8-bit integer, whose float32 product is llama.cpp's). Bits a weight
-a decode step reads, ours (llama.cpp's): Q4_0 4.6 (4.5), Q4_1 5 (5), Q4_K 4.75 (4.5), Q5_0 8.8 (5.5), Q5_1 9 (6),
-Q5_K 8.75 (5.5), Q6_K 9.1 (6.6), Q8_0 8.8 (8.5); 16 decoded.
+Projections of every block type (INT_TYPES) are not decoded at all (`int4_part`): each type's values are integers u
+with a scale and a zero point Z, W = (u - Z) * s (Q3_K, Q4_0, Q5_0, Q6_K, Q8_0; IQ4_NL and IQ4_XS, whose 4-bit
+indices stand for 8-bit integers, IQ4_VALUES), or an offset, W = u * s + m (Q2_K, Q4_1, Q5_1, Q4_K, Q5_K), per group
+of 32 (Q2_K, Q3_K, Q6_K: 16). Those are ir.packing's awq_int4 and affine_int4, exactly: a value of 2, 3 or 4 bits in
+one 4-bit plane, of 5, 6 or 8 bits as two, u = 16 h + l. Their bits are repacked into the words the INT4 kernels
+read and their scales (and offsets) laid out per group: float16s as they are, the K-quants' (and IQ4_XS's) as their
+two levels (a block's float16 times a group's 4-, 6- or 8-bit integer, whose float32 product is llama.cpp's). Bits a
+weight a decode step reads, ours (llama.cpp's): Q2_K 5.25 (2.6), Q3_K 4.9 (3.4), Q4_0 4.6 (4.5), Q4_1 5 (5), Q4_K
+4.75 (4.5), Q5_0 8.8 (5.5), Q5_1 9 (6), Q5_K 8.75 (5.5), Q6_K 9.1 (6.6), Q8_0 8.8 (8.5), IQ4_NL 8.8 (4.5), IQ4_XS
+8.6 (4.25); 16 decoded (a matrix no packing takes).
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from .quantization import awq_pack
 RAW_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2)}
 BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
                8: ("Q8_0", 32, 34), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
-               13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
-OTHER_TYPES = {15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S",
-               22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M"}
+               13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136)}
+OTHER_TYPES = {15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 21: "IQ3_S", 22: "IQ2_S",
+               24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M"}
 SUPPORTED = ", ".join(name for name, _, _ in (*RAW_TYPES.values(), *BLOCK_TYPES.values()))
 _BLOCK_BYTES = {name: size for name, _, size in BLOCK_TYPES.values()}
 _BLOCK_VALUES = {name: values for name, values, _ in BLOCK_TYPES.values()}
@@ -38,7 +40,11 @@ INT_TYPES = {  # the types whose values are integers with a scale and a zero poi
     "Q4_0": ("awq_int4", 32, 1, 0, "F16"), "Q4_1": ("affine_int4", 32, 1, 0, "F16"),
     "Q4_K": ("affine_int4", 32, 1, KQ_BLOCK, "I32"), "Q5_0": ("awq_int4", 32, 2, 0, "F16"),
     "Q5_1": ("affine_int4", 32, 2, 0, "F16"), "Q5_K": ("affine_int4", 32, 2, KQ_BLOCK, "I32"),
-    "Q6_K": ("awq_int4", 16, 2, KQ_BLOCK, "I32"), "Q8_0": ("awq_int4", 32, 2, 0, "F16")}
+    "Q6_K": ("awq_int4", 16, 2, KQ_BLOCK, "I32"), "Q8_0": ("awq_int4", 32, 2, 0, "F16"),
+    "Q2_K": ("affine_int4", 16, 1, KQ_BLOCK, "I32"), "Q3_K": ("awq_int4", 16, 1, KQ_BLOCK, "I32"),
+    "IQ4_NL": ("awq_int4", 32, 2, 0, "F16"), "IQ4_XS": ("awq_int4", 32, 2, KQ_BLOCK, "I32")}
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]) + 128  # the
+# integers IQ4_NL's and IQ4_XS's 4-bit indices stand for (llama.cpp's kvalues_iq4nl), + 128: 8-bit values, Z = 128
 _TWO_BIT_SHIFTS = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
 
 
@@ -94,6 +100,15 @@ def _two_level(encoding: str, b: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarr
     is d * c) and, Q4_K and Q5_K, its offsets' (-dmin and the minimums: the offset is -dmin * m), else None."""
     if encoding == "Q6_K":
         return (_half(b, 208), b[:, 192:208].view(np.int8).astype(np.float32)), None
+    if encoding == "Q3_K":
+        return (_half(b, 108), _q3_k_scales(b[:, 96:108])), None
+    if encoding == "IQ4_XS":  # 6-bit scales: 4 low bits from bytes 4-7 (two a byte), 2 high from the word at 2
+        low = np.stack([b[:, 4:8] & 0xF, b[:, 4:8] >> 4], axis=2).reshape(-1, 8)
+        high = (b[:, 2:4].copy().view("<u2") >> np.arange(0, 16, 2, dtype=np.uint16)) & 3
+        return (_half(b, 0), (low | (high << 4)).astype(np.float32) - 32), None
+    if encoding == "Q2_K":
+        scales = b[:, 0:16]
+        return (_half(b, 80), (scales & 0xF).astype(np.float32)), (-_half(b, 82), (scales >> 4).astype(np.float32))
     scales, mins = _k4_scales(b[:, 4:16])
     return (_half(b, 0), scales), (-_half(b, 2), mins)
 
@@ -125,27 +140,28 @@ def _integers(encoding: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
         high = (qh >> _TWO_BIT_SHIFTS) & 3
         (d, scales), _ = _two_level(encoding, b)
         return (low | (high << 4)).reshape(-1, 256), d * scales, 32
+    if encoding == "Q3_K":  # 2 low bits and a high one: u = 4 h + l, Z = 4
+        high = np.unpackbits(b[:, 0:32, None], axis=2, bitorder="little")  # [n, 32 values, 8 bit planes]
+        (d, scales), _ = _two_level(encoding, b)
+        return _two_bits(b[:, 32:96]) | (high.transpose(0, 2, 1).reshape(-1, 256) << 2), d * scales, 4
+    if encoding == "Q2_K":
+        (d, scales), (dmin, mins) = _two_level(encoding, b)
+        return _two_bits(b[:, 16:80]), d * scales, dmin * mins
+    if encoding == "IQ4_NL":
+        return IQ4_VALUES[_nibbles(b[:, 2:])].astype(np.uint8), _half(b, 0), 128
+    if encoding == "IQ4_XS":  # each 32 values' 16 bytes as IQ4_NL's
+        (d, scales), _ = _two_level(encoding, b)
+        return IQ4_VALUES[_nibbles(b[:, 8:].reshape(-1, 16))].astype(np.uint8).reshape(-1, 256), d * scales, 128
     raise ValueError(f"no integers for {encoding}")
 
 
 def _decode(encoding: str, b: np.ndarray) -> np.ndarray:
     """Blocks [n, bytes] of `encoding` -> float32 [n, values]."""
-    if encoding in INT_TYPES:
-        u, scale, zero = _integers(encoding, b)
-        size = u.shape[1] // scale.shape[1]
-        if isinstance(zero, int):
-            return _sub_blocks(u.astype(np.float32) - zero, scale, size)
-        return _sub_blocks(u.astype(np.float32), scale, size) + np.repeat(zero, size, axis=1)
-    if encoding == "Q2_K":
-        scales = b[:, 0:16]
-        d, m = _half(b, 80) * (scales & 0xF).astype(np.float32), _half(b, 82) * (scales >> 4).astype(np.float32)
-        return _sub_blocks(_two_bits(b[:, 16:80]).astype(np.float32), d, 16) - np.repeat(m, 16, axis=1)
-    if encoding == "Q3_K":
-        high = np.unpackbits(b[:, 0:32, None], axis=2, bitorder="little")  # [n, 32 values, 8 bit planes]
-        missing = (1 - high.transpose(0, 2, 1).reshape(-1, 256)).astype(np.float32) * 4  # plane = chunk of 32
-        q = _two_bits(b[:, 32:96]).astype(np.float32) - missing
-        return _sub_blocks(q, _half(b, 108) * _q3_k_scales(b[:, 96:108]), 16)
-    raise ValueError(f"no decoding for {encoding}")
+    u, scale, zero = _integers(encoding, b)
+    size = u.shape[1] // scale.shape[1]
+    if isinstance(zero, int):
+        return _sub_blocks(u.astype(np.float32) - zero, scale, size)
+    return _sub_blocks(u.astype(np.float32), scale, size) + np.repeat(zero, size, axis=1)
 
 
 def dequantise(encoding: str, raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

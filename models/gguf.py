@@ -3,16 +3,17 @@ the loaders need from them: a config.json-like dict, the tensors under Hugging F
 
     MODEL_DIR/NAME.gguf    one GGUF file and no config.json: the model, its tokenizer and its chat template
 
-Tensors stored as F32, F16 or BF16 are used as they are. Projections, the embedding and the head stored in an
-integer type (all block types but Q2_K and Q3_K) stay packed: the model is an AWQ INT4 one of group 32 (its
-quantization_config says so, naming the projections stored otherwise as not converted, and in `packed_modules` those
-packed otherwise than Q4_0's plain AWQ INT4, with float offsets or as two planes, and the embedding and head), each
-such weight's parts repacked from the same bits at load (models.ggml_types.int4_part); the embedding's rows are
-unpacked as they are looked up. The other block tensors (Q2_K, Q3_K, and the other weights' types) are
-dequantised when the weights are loaded, to the values llama.cpp computes, rounded to float16 (BLOCK_DTYPE: half the
-bytes of float32 for every decode step to read, within 2^-11 of each value, some 40x finer than llama.cpp's own
-rounding of the activations for its quantised products). Llama's q and k rows, which llama.cpp's converter interleaves for its
-rotary layout, are put back in Hugging Face's order at load.
+Tensors stored as F32, F16 or BF16 are used as they are. Projections, the embedding and the head stored in a
+block type (every one ggml_types reads: the integer types, INT_TYPES) stay packed: the model is an AWQ INT4 one of
+group 32 (its quantization_config says so, naming the projections stored otherwise as not converted, and in
+`packed_modules` those packed otherwise than Q4_0's plain AWQ INT4, with float offsets, as two planes or with
+two-level scales, and the embedding and head), each such weight's parts repacked from the same bits at load
+(models.ggml_types.int4_part); the embedding's rows are unpacked as they are looked up. A block tensor no packing
+takes (a vocabulary whose rows are no whole 8-column words) is dequantised when the weights are loaded, to the values
+llama.cpp computes, rounded to float16 (BLOCK_DTYPE: half the bytes of float32 for every decode step to read,
+within 2^-11 of each value, some 40x finer than llama.cpp's own rounding of the activations for its quantised
+products). Llama's q and k rows, which llama.cpp's converter interleaves for its rotary layout, are put back in
+Hugging Face's order at load.
 """
 
 from __future__ import annotations

@@ -42,11 +42,11 @@ def permute_for_llama_cpp(w: np.ndarray, heads: int) -> np.ndarray:
 def write_gguf(model_dir: Path, out_dir: Path, qtype: str = "F16", *, rope_freqs: np.ndarray | None = None,
                metadata: dict | None = None, reference: Path | None = None, types: dict | None = None) -> Path:
     """`out_dir/model.gguf` from the tiny checkpoint in `model_dir`: 2-D weights as `qtype` (F32, F16, BF16, or a
-    block type: the K-quants as random blocks, not the checkpoint's values), 1-D ones F32; `metadata` overrides or
-    adds keys (None values remove them); `types` maps name suffixes to the type of the weights so named instead. With `reference`, also a float32 Hugging Face checkpoint there holding the
-    values the GGUF stores (as gguf-py dequantises them; a block type's rounded to float16, as our loader holds
-    them, except PACKED projections, embeddings and heads of a shape a packing takes, which the INT4 kernels read as
-    they are)."""
+    block type: the K-quants and IQ4 types as random blocks, not the checkpoint's values), 1-D ones F32; `metadata`
+    overrides or adds keys (None values remove them); `types` maps name suffixes to the type of the weights so named
+    instead. With `reference`, also a float32 Hugging Face checkpoint there holding the values the GGUF stores (as
+    gguf-py dequantises them; a block type's rounded to float16, as our loader holds them, except PACKED
+    projections, embeddings and heads of a shape a packing takes, which the INT4 kernels read as they are)."""
     config = json.loads((model_dir / "config.json").read_text())
     arch = config["model_type"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -104,7 +104,8 @@ def write_gguf(model_dir: Path, out_dir: Path, qtype: str = "F16", *, rope_freqs
 PACKED = tuple(INT_TYPES)  # block types whose projections stay packed (models.gguf), their values exact
 BLOCKS = {name for name, _, _ in BLOCK_TYPES.values()}
 SCALE_BYTES = {"Q4_0": (0,), "Q5_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2),
-               "Q5_K": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q6_K": (208,)}  # where a block's float16s lie
+               "Q5_K": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q6_K": (208,), "IQ4_NL": (0,),
+               "IQ4_XS": (0,)}  # where a block's float16s lie
 
 
 def random_blocks(rows: int, cols: int, qtype: str, rng: np.random.Generator, scale: float = 0.05) -> np.ndarray:
@@ -118,7 +119,7 @@ def random_blocks(rows: int, cols: int, qtype: str, rng: np.random.Generator, sc
 
 def _encode(w: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[np.ndarray, object, np.ndarray]:
     """(the data to write, its ggml type for the writer (None: from the numpy dtype), the float32 values it holds):
-    `w` stored as `qtype`; types gguf-py cannot quantise into (the K-quants) get random blocks of small values."""
+    `w` stored as `qtype`; types gguf-py cannot quantise into (the K-quants, IQ4) get random blocks of small values."""
     if qtype == "F32":
         return w, None, w
     if qtype == "F16":
@@ -126,7 +127,8 @@ def _encode(w: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[np.nda
     kind = gguf.GGMLQuantizationType[qtype]
     if qtype not in SCALE_BYTES and qtype != "BF16":  # a type we do not read: random bytes, no values
         return random_blocks(*w.shape, qtype, rng), kind, w
-    data = random_blocks(*w.shape, qtype, rng, 1e-3) if qtype.endswith("_K") else gguf.quants.quantize(w, kind)
+    data = random_blocks(*w.shape, qtype, rng, 1e-3) if qtype.endswith("_K") or qtype.startswith("IQ") \
+        else gguf.quants.quantize(w, kind)
     values = gguf.quants.dequantize(data, kind).reshape(w.shape)
     return data, kind, values.astype(np.float32)
 

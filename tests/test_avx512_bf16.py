@@ -121,7 +121,8 @@ def test_awq_products_are_exact_in_the_weights(rows, depth, cols, group, bias, k
 
 
 @pytest.mark.parametrize("rows,depth,cols,group", [(32, 512, 64, 32), (48, 256, 128, 16)])
-@pytest.mark.parametrize("kind,planes", [("affine_int4_pairs", 1), ("awq_int4_pairs", 2), ("affine_int4_pairs", 2)])
+@pytest.mark.parametrize("kind,planes", [("affine_int4_pairs", 1), ("awq_int4_pairs", 1), ("awq_int4_pairs", 2),
+                                         ("affine_int4_pairs", 2)])
 def test_awq_products_with_two_level_scales_are_exact_in_the_weights(rows, depth, cols, group, kind, planes):
     """A GGUF K-quant's scales and offsets as its two levels (ir.packing: a block's float times a group's byte),
     over several blocks and several words of bytes a block: exact in the weights as above."""

@@ -160,20 +160,25 @@ def test_packed_types_are_checked_by_the_verifier():
         infer_types("rms_norm", [x, TensorType((64,), "float16", Packing("awq_int4", 32))], {"eps": 1e-6})
 
 
-LAYOUTS = {"cpu": ("awq_int4_pairs", None, 1, 0), "cpu-avx2": ("awq_int4_pairs", "x86-64-v3", 1, 0),
-           "gpu": ("awq_int4", None, 1, 0), "cpu-affine": ("affine_int4_pairs", None, 1, 0),
-           "gpu-affine": ("affine_int4", None, 1, 0), "cpu-planes": ("awq_int4_pairs", None, 2, 0),
-           "cpu-affine-planes": ("affine_int4_pairs", None, 2, 0), "gpu-planes": ("awq_int4", None, 2, 0),
-           # two-level scales (a GGUF file's K-quants: Q4_K, Q5_K, Q6_K), groups of 32: two words of bytes a block
-           "cpu-k": ("affine_int4_pairs", None, 1, KQ_BLOCK), "cpu-k-planes": ("awq_int4_pairs", None, 2, KQ_BLOCK),
-           "cpu-k-affine-planes": ("affine_int4_pairs", None, 2, KQ_BLOCK), "gpu-k": ("affine_int4", None, 1, KQ_BLOCK),
-           "gpu-k-planes": ("awq_int4", None, 2, KQ_BLOCK)}
+LAYOUTS = {"cpu": ("awq_int4_pairs", None, 1, 64, 0), "cpu-avx2": ("awq_int4_pairs", "x86-64-v3", 1, 64, 0),
+           "gpu": ("awq_int4", None, 1, 64, 0), "cpu-affine": ("affine_int4_pairs", None, 1, 64, 0),
+           "gpu-affine": ("affine_int4", None, 1, 64, 0), "cpu-planes": ("awq_int4_pairs", None, 2, 64, 0),
+           "cpu-affine-planes": ("affine_int4_pairs", None, 2, 64, 0), "gpu-planes": ("awq_int4", None, 2, 64, 0),
+           # two-level scales (a GGUF file's K-quants), groups of 32 (Q4_K, Q5_K: two words of bytes a block) and
+           # of 16 (Q6_K's planes; Q2_K's and Q3_K's values in one plane: four words a block)
+           "cpu-k": ("affine_int4_pairs", None, 1, 32, KQ_BLOCK),
+           "cpu-k-planes": ("awq_int4_pairs", None, 2, 32, KQ_BLOCK),
+           "cpu-k-affine-planes": ("affine_int4_pairs", None, 2, 32, KQ_BLOCK),
+           "cpu-k16": ("awq_int4_pairs", None, 1, 16, KQ_BLOCK),
+           "cpu-k16-affine": ("affine_int4_pairs", None, 1, 16, KQ_BLOCK),
+           "gpu-k": ("affine_int4", None, 1, 32, KQ_BLOCK), "gpu-k-planes": ("awq_int4", None, 2, 32, KQ_BLOCK),
+           "gpu-k16-affine": ("affine_int4", None, 1, 16, KQ_BLOCK)}
 
 
 def _packing(layout: str) -> Packing:
-    """The packing of a test layout: groups of 64 rows, or 32 with two-level scales."""
-    kind, _, planes, block = LAYOUTS[layout]
-    return Packing(kind, 32 if block else 64, planes, block)
+    """The packing of a test layout."""
+    kind, _, planes, group, block = LAYOUTS[layout]
+    return Packing(kind, group, planes, block)
 
 
 def _activations(rng, rows, inp):

@@ -43,6 +43,10 @@ CASES = {
     # the K-quants' blocks of 256 need rows of 256 and more
     "llama-q4_k": (dict(arch="llama", hidden_size=256, intermediate_size=512, seed=11), "Q4_K", False),
     "qwen2-q6_k": (dict(arch="qwen2", hidden_size=256, intermediate_size=512, seed=12), "Q6_K", False),
+    "llama-q3_k": (dict(arch="llama", hidden_size=256, intermediate_size=512, seed=16), "Q3_K", False),
+    "qwen2-q2_k": (dict(arch="qwen2", hidden_size=256, intermediate_size=512, seed=17), "Q2_K", False),
+    "llama-iq4_nl": (dict(arch="llama", seed=18), "IQ4_NL", False),
+    "qwen2-iq4_xs": (dict(arch="qwen2", hidden_size=256, intermediate_size=512, seed=19), "IQ4_XS", False),
 }
 TEXTS = ["Hello world, 12345 don't stop", "  two  spaces\n\nand\ttabs!", "héllo 北京 ünïcode",
          "<|im_start|>user x", "<|begin_of_text|>a", ""]
@@ -94,7 +98,7 @@ def test_gguf_weights_are_decoded_or_packed_and_reordered_at_load(case):
     reference = {e.name: e for e in scan_checkpoint(ours.model_dir.parent / "reference").values()}
     module = "model.layers.0.self_attn.q_proj"
     q = entries[f"{module}.qweight" if qtype in PACKED else f"{module}.weight"]
-    assert q.encoding == (qtype if qtype.startswith("Q") else "") and q.part == ("qweight" if qtype in PACKED else "")
+    assert (q.encoding, q.part) == ((qtype, "qweight") if qtype in PACKED else ("", ""))
     assert q.rope_rows == (ours.config.head_dim if ours.config.model_type == "llama" else 0)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
                  "model.layers.0.mlp.down_proj.weight", "model.norm.weight", "model.embed_tokens.weight"):
@@ -203,17 +207,17 @@ def test_a_vocabulary_no_packing_takes_stays_float16_beside_packed_projections(t
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("ptxas") is None, reason="no CUDA toolkit installed")
 def test_a_4_bit_gguf_model_builds_for_cuda(tmp_path):
     """Q4_0's zero points, Q4_1's offsets, Q8_0's planes and the K-quants' two-level scales (Q4_K's with offsets,
-    Q6_K's with planes) as the GPU kernels read them (column tiles): the model builds for CUDA and ptxas accepts
+    Q6_K's with planes, Q3_K's and Q2_K's in groups of 16) as the GPU kernels read them (column tiles): the model builds for CUDA and ptxas accepts
     every kernel."""
     model_dir = write_tiny_checkpoint(tmp_path / "hf", arch="qwen2", hidden_size=256, intermediate_size=512, seed=14)
     path = write_gguf(model_dir, tmp_path / "gguf", "Q4_0", types={
         "mlp.up_proj.weight": "Q4_1", "mlp.down_proj.weight": "Q8_0", "mlp.gate_proj.weight": "Q4_K",
-        "self_attn.v_proj.weight": "Q6_K"})
+        "self_attn.v_proj.weight": "Q6_K", "self_attn.q_proj.weight": "Q3_K", "self_attn.o_proj.weight": "Q2_K"})
     out = build(path.parent, target="cuda", out=tmp_path / "artifact", prefill_buckets=(16,), max_context=64,
                 quiet=True).path
     packings = {p["packing"] for p in json.loads((out / "manifest.json").read_text())["params"]}
     assert {"awq_int4(g32)", "affine_int4(g32)", "awq_int4(g32,x2)", "affine_int4(g32,b256)",
-            "awq_int4(g16,x2,b256)"} <= packings
+            "awq_int4(g16,x2,b256)", "awq_int4(g16,b256)", "affine_int4(g16,b256)"} <= packings
     assembled = subprocess.run(["ptxas", "-arch=sm_90", str(out / "kernels.ptx"), "-o", "/dev/null"],
                                capture_output=True, text=True)
     assert assembled.returncode == 0, assembled.stderr
@@ -345,10 +349,10 @@ def test_a_file_truncated_in_its_header_or_its_data(gguf_dir, tmp_path):
 
 
 def test_an_unsupported_tensor_type_is_named(tmp_path):
-    model_dir = write_tiny_checkpoint(tmp_path / "hf", arch="qwen2")
-    path = write_gguf(model_dir, tmp_path / "gguf", "IQ4_NL")
-    with pytest.raises(CheckpointError, match=r"'token_embd.weight' is stored as IQ4_NL; supported: F32, F16, BF16, "
-                                              r"Q4_0, .*, Q6_K; convert or quantise"):
+    model_dir = write_tiny_checkpoint(tmp_path / "hf", arch="qwen2", hidden_size=256, intermediate_size=512)
+    path = write_gguf(model_dir, tmp_path / "gguf", "IQ2_XXS")
+    with pytest.raises(CheckpointError, match=r"'token_embd.weight' is stored as IQ2_XXS; supported: F32, F16, BF16, "
+                                              r"Q4_0, .*, IQ4_XS; convert or quantise"):
         _build(path, tmp_path)
 
 
