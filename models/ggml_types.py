@@ -43,9 +43,12 @@ INT_TYPES = {  # the types whose values are integers with a scale and a zero poi
     "Q6_K": ("awq_int4", 16, 2, KQ_BLOCK, "I32"), "Q8_0": ("awq_int4", 32, 2, 0, "F16"),
     "Q2_K": ("affine_int4", 16, 1, KQ_BLOCK, "I32"), "Q3_K": ("awq_int4", 16, 1, KQ_BLOCK, "I32"),
     "IQ4_NL": ("awq_int4", 32, 2, 0, "F16"), "IQ4_XS": ("awq_int4", 32, 2, KQ_BLOCK, "I32")}
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]) + 128  # the
-# integers IQ4_NL's and IQ4_XS's 4-bit indices stand for (llama.cpp's kvalues_iq4nl), + 128: 8-bit values, Z = 128
+IQ4_VALUES = (np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]) + 128).astype(
+    np.uint8)  # the integers IQ4_NL's and IQ4_XS's 4-bit indices stand for (llama.cpp's kvalues_iq4nl), + 128
+ZERO_POINTS = {"Q3_K": 4, "Q4_0": 8, "Q5_0": 16, "Q6_K": 32, "Q8_0": 128, "IQ4_NL": 128, "IQ4_XS": 128}  # Z of the
+# types whose W = (u - Z) * s; the others have float offsets
 _TWO_BIT_SHIFTS = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+_BIT_SHIFTS = np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
 
 
 def _half(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -62,6 +65,11 @@ def _fifth_bits(blocks: np.ndarray, at: int) -> np.ndarray:
     """Q5_0 / Q5_1's 32 high bits (a little-endian word at byte `at`), as 0 or 16 per value."""
     bits = np.unpackbits(blocks[:, at:at + 4], axis=1, bitorder="little")
     return bits * np.uint8(16)
+
+
+def _bit_planes(bits: np.ndarray) -> np.ndarray:
+    """Q3_K / Q5_K's high bits: [blocks, 32] bytes -> [blocks, 256] (bit j of byte i: value 32 j + i), 0 or 1."""
+    return ((bits[:, None, :] >> _BIT_SHIFTS) & 1).reshape(-1, 256)
 
 
 def _two_bits(qs: np.ndarray) -> np.ndarray:
@@ -113,51 +121,45 @@ def _two_level(encoding: str, b: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarr
     return (_half(b, 0), scales), (-_half(b, 2), mins)
 
 
-def _integers(encoding: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | int]:
-    """Blocks [n, bytes] of a type of INT_TYPES -> (u [n, values] unsigned integers, s [n, sub-blocks] float32
-    scales, and the zero point: an integer Z, W = (u - Z) * s, or float32 offsets m [n, sub-blocks], W = u * s + m),
-    in llama.cpp's arithmetic."""
+def _values(encoding: str, b: np.ndarray) -> np.ndarray:
+    """Blocks [n, bytes] of a type of INT_TYPES -> its unsigned integers u [n, values] (uint8)."""
     if encoding == "Q8_0":
-        return b[:, 2:] ^ np.uint8(0x80), _half(b, 0), 128  # the int8 values + 128
-    if encoding == "Q4_0":
-        return _nibbles(b[:, 2:]), _half(b, 0), 8
-    if encoding == "Q4_1":
-        return _nibbles(b[:, 4:]), _half(b, 0), _half(b, 2)
-    if encoding == "Q5_0":
-        return _nibbles(b[:, 6:]) | _fifth_bits(b, 2), _half(b, 0), 16
-    if encoding == "Q5_1":
-        return _nibbles(b[:, 8:]) | _fifth_bits(b, 4), _half(b, 0), _half(b, 2)
-    if encoding in ("Q4_K", "Q5_K"):
-        (d, scales), (dmin, mins) = _two_level(encoding, b)
-        q = _k4_layout(b[:, 16:144] if encoding == "Q4_K" else b[:, 48:176])
-        if encoding == "Q5_K":
-            bits = np.unpackbits(b[:, 16:48, None], axis=2, bitorder="little")  # bit j: chunk j of 32 values
-            q = q | (bits.transpose(0, 2, 1).reshape(-1, 256) * np.uint8(16))
-        return q, d * scales, dmin * mins
+        return b[:, 2:] ^ np.uint8(0x80)  # the int8 values + 128
+    if encoding in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        nibbles = _nibbles(b[:, {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[encoding]:])
+        return nibbles if encoding.startswith("Q4") else nibbles | _fifth_bits(b, 2 if encoding == "Q5_0" else 4)
+    if encoding == "Q4_K":
+        return _k4_layout(b[:, 16:144])
+    if encoding == "Q5_K":
+        return _k4_layout(b[:, 48:176]) | (_bit_planes(b[:, 16:48]) << 4)
     if encoding == "Q6_K":
         ql, qh = b[:, 0:128].reshape(-1, 2, 2, 32), b[:, 128:192].reshape(-1, 2, 1, 32)  # [n, half, 2, 32]
         low = np.concatenate([ql & 0xF, ql >> 4], axis=2)  # [n, half, 4, 32]
-        high = (qh >> _TWO_BIT_SHIFTS) & 3
-        (d, scales), _ = _two_level(encoding, b)
-        return (low | (high << 4)).reshape(-1, 256), d * scales, 32
-    if encoding == "Q3_K":  # 2 low bits and a high one: u = 4 h + l, Z = 4
-        high = np.unpackbits(b[:, 0:32, None], axis=2, bitorder="little")  # [n, 32 values, 8 bit planes]
-        (d, scales), _ = _two_level(encoding, b)
-        return _two_bits(b[:, 32:96]) | (high.transpose(0, 2, 1).reshape(-1, 256) << 2), d * scales, 4
+        return (low | (((qh >> _TWO_BIT_SHIFTS) & 3) << 4)).reshape(-1, 256)
+    if encoding == "Q3_K":  # 2 low bits and a high one: u = 4 h + l
+        return _two_bits(b[:, 32:96]) | (_bit_planes(b[:, 0:32]) << 2)
     if encoding == "Q2_K":
-        (d, scales), (dmin, mins) = _two_level(encoding, b)
-        return _two_bits(b[:, 16:80]), d * scales, dmin * mins
+        return _two_bits(b[:, 16:80])
     if encoding == "IQ4_NL":
-        return IQ4_VALUES[_nibbles(b[:, 2:])].astype(np.uint8), _half(b, 0), 128
+        return IQ4_VALUES[_nibbles(b[:, 2:])]
     if encoding == "IQ4_XS":  # each 32 values' 16 bytes as IQ4_NL's
-        (d, scales), _ = _two_level(encoding, b)
-        return IQ4_VALUES[_nibbles(b[:, 8:].reshape(-1, 16))].astype(np.uint8).reshape(-1, 256), d * scales, 128
+        return IQ4_VALUES[_nibbles(b[:, 8:].reshape(-1, 16))].reshape(-1, 256)
     raise ValueError(f"no integers for {encoding}")
+
+
+def _scales(encoding: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray | int]:
+    """Blocks [n, bytes] of a type of INT_TYPES -> (s [n, groups] float32 scales, and the zero point: the integer
+    Z of ZERO_POINTS, W = (u - Z) * s, or float32 offsets m [n, groups], W = u * s + m), in llama.cpp's
+    arithmetic."""
+    if INT_TYPES[encoding][3]:  # two-level
+        (d, c), offsets = _two_level(encoding, b)
+        return d * c, ZERO_POINTS[encoding] if offsets is None else offsets[0] * offsets[1]
+    return _half(b, 0), ZERO_POINTS[encoding] if encoding in ZERO_POINTS else _half(b, 2)
 
 
 def _decode(encoding: str, b: np.ndarray) -> np.ndarray:
     """Blocks [n, bytes] of `encoding` -> float32 [n, values]."""
-    u, scale, zero = _integers(encoding, b)
+    u, (scale, zero) = _values(encoding, b), _scales(encoding, b)
     size = u.shape[1] // scale.shape[1]
     if isinstance(zero, int):
         return _sub_blocks(u.astype(np.float32) - zero, scale, size)
@@ -187,15 +189,15 @@ def int4_part(encoding: str, raw: np.ndarray, shape: tuple[int, int], part: str,
     blocks = blocks.reshape(-1, _BLOCK_BYTES[encoding])
     if block and part in ("scales", "offsets"):
         return _two_level_words(_two_level(encoding, blocks)[part != "scales"], out)
-    u, scale, zero = _integers(encoding, blocks)
     if part == "qweight":
-        u = u.reshape(out, groups, 1, group)
+        u = _values(encoding, blocks).reshape(out, groups, 1, group)
         planed = np.concatenate([u >> 4, u & 15], axis=2) if planes == 2 else u  # [out, group, plane, row]
         return awq_pack(planed.reshape(out, planes * inp).T)
     if part == "qzeros":
+        zero = ZERO_POINTS[encoding]
         zeros = np.array([zero // 16, zero % 16] if planes == 2 else [zero], np.uint8)
         return awq_pack(np.broadcast_to(np.tile(zeros, groups)[:, None], (planes * groups, out)))
-    return np.ascontiguousarray((scale if part == "scales" else zero).reshape(out, groups).T)
+    return np.ascontiguousarray(_scales(encoding, blocks)[part != "scales"].reshape(out, groups).T)
 
 
 def _two_level_words(levels: tuple[np.ndarray, np.ndarray], out: int) -> np.ndarray:

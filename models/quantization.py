@@ -58,11 +58,15 @@ def awq_config(group: int, modules_to_not_convert: tuple[str, ...] = (),
 
 
 def awq_pack(values: np.ndarray) -> np.ndarray:
-    """[rows, out] 4-bit values as int32 words [rows, out / 8]: nibble slot i of word c holds column 8c + AWQ_ORDER[i]
-    (byte k of a word holds slots 2k and 2k + 1; built bytewise, a quarter of the memory traffic of words)."""
-    v = values.astype(np.uint8).reshape(values.shape[0], -1, AWQ_PACK)
-    low, high = v[:, :, list(AWQ_ORDER[0::2])], v[:, :, list(AWQ_ORDER[1::2])]
-    return np.ascontiguousarray(low | (high << np.uint8(4))).view("<i4").reshape(values.shape[0], -1)
+    """[rows, out] 4-bit values as int32 words [rows, out / 8]: nibble slot i of word c holds column 8c + AWQ_ORDER[i].
+    Assembled from the [out, rows] view (a copy only where `values` is row-major), whole runs of rows at a time, then
+    one transposing copy of the words."""
+    rows, out = values.shape
+    columns = values.T.astype(np.uint8, copy=False).reshape(out // AWQ_PACK, AWQ_PACK, rows)
+    words = np.zeros((out // AWQ_PACK, rows), np.uint32)
+    for slot, column in enumerate(AWQ_ORDER):
+        words |= columns[:, column].astype(np.uint32) << np.uint32(4 * slot)
+    return np.ascontiguousarray(words.T).view("<i4")
 
 
 def read_quantization(cfg: ConfigReader) -> AwqQuantization | None:

@@ -8,7 +8,9 @@ NaN or infinity gives a warning naming it (the model still loads: its output wil
 from __future__ import annotations
 
 import mmap
+import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +26,7 @@ from .cpu import tensor_memory
 # The exponent bits of each dtype: all set means infinity or NaN.
 EXPONENT_MASKS = {"F32": (np.uint32, 0x7F800000), "F16": (np.uint16, 0x7C00), "BF16": (np.uint16, 0x7F80)}
 _CHUNK = 1 << 22  # elements checked at a time
+LOAD_THREADS = 8  # params made at once at most (each holds its numpy intermediates: a GGUF head's, ~1 GB)
 
 
 def nonfinite_count(array: np.ndarray, dtype: str) -> int:
@@ -75,22 +78,29 @@ TRANSFORMS = {
 def load_params(entries: dict[str, TensorEntry], params: tuple[ParamSpec, ...],
                 device: tvm.runtime.Device) -> list[tvm.runtime.Tensor]:
     """The arrays of each param, in order (one, or a packed param's parts), made from its checkpoint tensors by its
-    transform and copied onto `device` (with a warning for each float source that is not all finite)."""
-    maps: dict[Path, mmap.mmap] = {}
+    transform and copied onto `device` (with a warning for each float source that is not all finite). The
+    transforms (numpy, which lets go of the GIL: a GGUF file's repacking is most of a load) run on the cores."""
+    maps = {entry.file: _mapped(entry.file) for entry in entries.values()}
     memory = tensor_memory(device)
-    return [memory.copy(array) for p in params
-            for array in TRANSFORMS[p.transform]([_source(entries[name], name, maps) for name in p.sources])]
+
+    def arrays(p: ParamSpec) -> list[np.ndarray]:
+        return TRANSFORMS[p.transform]([_source(entries[name], name, maps) for name in p.sources])
+
+    with ThreadPoolExecutor(min(LOAD_THREADS, len(os.sched_getaffinity(0)))) as pool:
+        return [memory.copy(array) for made in pool.map(arrays, params) for array in made]
+
+
+def _mapped(file: Path) -> mmap.mmap:
+    """A checkpoint file mapped for reading."""
+    try:
+        with file.open("rb") as f:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot be read ({e.strerror}); fix its permissions or restore it") from None
 
 
 def _source(entry: TensorEntry, name: str, maps: dict[Path, mmap.mmap]) -> np.ndarray:
-    """One checkpoint tensor over its mapped file (mapping the file on first use)."""
-    if entry.file not in maps:
-        try:
-            with entry.file.open("rb") as f:
-                maps[entry.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except OSError as e:
-            raise CheckpointError(f"{entry.file}: cannot be read ({e.strerror}); fix its permissions or restore "
-                                  "it") from None
+    """One checkpoint tensor over its mapped file."""
     try:
         array = read_tensor(entry, maps[entry.file])
     except ValueError:
