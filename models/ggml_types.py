@@ -104,8 +104,9 @@ def _q3_k_scales(s: np.ndarray) -> np.ndarray:
 
 
 def _two_level(encoding: str, b: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], tuple | None]:
-    """A K-quant's blocks [n, bytes] -> its scales' two levels (d [n, 1] float32, c [n, groups] integers: the scale
-    is d * c) and, Q4_K and Q5_K, its offsets' (-dmin and the minimums: the offset is -dmin * m), else None."""
+    """A two-level type's blocks [n, bytes] (the K-quants, IQ4_XS) -> its scales' two levels (d [n, 1] float32, c
+    [n, groups] integers: the scale is d * c) and, Q2_K, Q4_K and Q5_K, its offsets' (-dmin and the minimums: the
+    offset is -dmin * m), else None."""
     if encoding == "Q6_K":
         return (_half(b, 208), b[:, 192:208].view(np.int8).astype(np.float32)), None
     if encoding == "Q3_K":
@@ -175,7 +176,7 @@ def int4_part(encoding: str, raw: np.ndarray, shape: tuple[int, int], part: str,
     """Part `part` (qweight, qzeros or offsets, scales; of `shape`) of the INT4 packing of INT_TYPES[encoding] that
     holds the same values as a matrix stored as `encoding` blocks (`raw`: its bytes, uint8), the words as int32, the
     scales and offsets as float32 (exact; held as INT_TYPES says), a K-quant's as its two levels (ir.packing's
-    two-level scales: the block's float16 and its groups' 6- or 8-bit integers); with `rope_rows`, its rows first
+    two-level scales: the block's float16 and its groups' 4-, 6- or 8-bit integers); with `rope_rows`, its rows first
     put back in Hugging Face's order (`rope_rows_in_order`). A value of more than 4 bits is two planes, u = 16 h +
     l: h with the zero point Z // 16, l with Z % 16; the scale (and offset) are the value's, one for both
     (ir.packing)."""
