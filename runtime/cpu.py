@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -50,11 +51,14 @@ class HugePageMemory:
     at all. A decode step streams every weight, and in 4 KiB pages each page costs a TLB miss (alone and
     alternating, on AMD EPYC: the 248320 x 1024 vocabulary head of Qwen3.5 1.02-1.12x faster in huge pages, a 2048
     x 5632 product 1.08-1.18x; on Intel Xeon with AMX, TinyLlama AWQ decode 1.06x once its small weights joined the
-    large ones there). A mapping is never freed while a tensor in it is alive."""
+    large ones there). A mapping is never freed while a tensor in it is alive. Threads may copy at once (slots are
+    handed out under a lock): a fresh page's first touch is most of a copy's time, 2.3 s a GiB on a KVM guest of
+    docs/performance.md, and the cores take their faults side by side."""
 
     def __init__(self, chunk: int = 256 << 20):
         self.chunk = chunk
         self._free = np.empty(0, np.uint8)  # the untouched rest of the newest mapping
+        self._lock = threading.Lock()
 
     def copy(self, array: np.ndarray) -> tvm.runtime.Tensor:
         """A CPU tensor holding a copy of `array`."""
@@ -70,22 +74,25 @@ class HugePageMemory:
         """The next slot, for an array of this shape and dtype."""
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
         size = -(-nbytes // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
-        if size > self._free.size:
-            self._free = _huge_page_mapping(max(size, self.chunk))
-        slot = self._free[:nbytes].view(dtype).reshape(shape)
-        self._free = self._free[size:]
-        return slot
+        with self._lock:
+            if size > self._free.size:
+                self._free = _huge_page_mapping(max(size, self.chunk))
+            slot = self._free[:nbytes]
+            self._free = self._free[size:]
+        return slot.view(dtype).reshape(shape)
 
 
 class DeviceMemory:
-    """Tensors from a device's own allocator (a GPU's), with HugePageMemory's interface."""
+    """Tensors from a device's own allocator (a GPU's), with HugePageMemory's interface; copies one at a time."""
 
     def __init__(self, device: tvm.runtime.Device):
         self.device = device
+        self._lock = threading.Lock()
 
     def copy(self, array: np.ndarray) -> tvm.runtime.Tensor:
         """A tensor on the device holding a copy of `array`."""
-        return tvm.runtime.tensor(array, self.device)
+        with self._lock:
+            return tvm.runtime.tensor(array, self.device)
 
     def empty(self, shape: tuple[int, ...], dtype: str) -> tvm.runtime.Tensor:
         """A tensor on the device, uninitialised."""

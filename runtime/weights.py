@@ -78,16 +78,18 @@ TRANSFORMS = {
 def load_params(entries: dict[str, TensorEntry], params: tuple[ParamSpec, ...],
                 device: tvm.runtime.Device) -> list[tvm.runtime.Tensor]:
     """The arrays of each param, in order (one, or a packed param's parts), made from its checkpoint tensors by its
-    transform and copied onto `device` (with a warning for each float source that is not all finite). The
-    transforms (numpy, which lets go of the GIL: a GGUF file's repacking is most of a load) run on the cores."""
+    transform and copied onto `device` (with a warning for each float source that is not all finite). The params
+    are made and copied on the cores in parallel: numpy lets go of the GIL, and a GGUF file's repacking and the
+    first touch of fresh memory are most of a load."""
     maps = {entry.file: _mapped(entry.file) for entry in entries.values()}
     memory = tensor_memory(device)
 
-    def arrays(p: ParamSpec) -> list[np.ndarray]:
-        return TRANSFORMS[p.transform]([_source(entries[name], name, maps) for name in p.sources])
+    def tensors(p: ParamSpec) -> list[tvm.runtime.Tensor]:
+        sources = [_source(entries[name], name, maps) for name in p.sources]
+        return [memory.copy(array) for array in TRANSFORMS[p.transform](sources)]
 
     with ThreadPoolExecutor(min(LOAD_THREADS, len(os.sched_getaffinity(0)))) as pool:
-        return [memory.copy(array) for made in pool.map(arrays, params) for array in made]
+        return [tensor for made in pool.map(tensors, params) for tensor in made]
 
 
 def _mapped(file: Path) -> mmap.mmap:
