@@ -9,8 +9,8 @@ Q4_K with Q6_K), its SentencePiece vocabulary, Llama's permuted q/k rows. Per fi
 whether the prompt's tokens are llama.cpp's, the prompt's last logits against llama.cpp's (largest difference
 relative to llama.cpp's largest logit; llama.cpp rounds activations for its quantised products, we do not), how
 many of 16 greedy tokens agree, how many weights we ran packed (projections, embedding and head of every block
-type, in the INT4 kernels), and prefill (the prompt,
-in chunks of 64) and decode tokens/s of both, alternating (medians of --runs).
+type, in the INT4 kernels), and prefill (the prompt, in chunks of 64) and decode tokens/s of both, alternating
+(medians of --runs).
 """
 
 from __future__ import annotations

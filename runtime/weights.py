@@ -81,7 +81,7 @@ def load_params(entries: dict[str, TensorEntry], params: tuple[ParamSpec, ...],
     transform and copied onto `device` (with a warning for each float source that is not all finite). The params
     are made and copied on the cores in parallel: numpy lets go of the GIL, and a GGUF file's repacking and the
     first touch of fresh memory are most of a load."""
-    maps = {entry.file: _mapped(entry.file) for entry in entries.values()}
+    maps = {file: _mapped(file) for file in {entries[name].file for p in params for name in p.sources}}
     memory = tensor_memory(device)
 
     def tensors(p: ParamSpec) -> list[tvm.runtime.Tensor]:

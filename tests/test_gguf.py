@@ -207,8 +207,8 @@ def test_a_vocabulary_no_packing_takes_stays_float16_beside_packed_projections(t
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("ptxas") is None, reason="no CUDA toolkit installed")
 def test_a_4_bit_gguf_model_builds_for_cuda(tmp_path):
     """Q4_0's zero points, Q4_1's offsets, Q8_0's planes and the K-quants' two-level scales (Q4_K's with offsets,
-    Q6_K's with planes, Q3_K's and Q2_K's in groups of 16) as the GPU kernels read them (column tiles): the model builds for CUDA and ptxas accepts
-    every kernel."""
+    Q6_K's with planes, Q3_K's and Q2_K's in groups of 16) as the GPU kernels read them (column tiles): the model
+    builds for CUDA and ptxas accepts every kernel."""
     model_dir = write_tiny_checkpoint(tmp_path / "hf", arch="qwen2", hidden_size=256, intermediate_size=512, seed=14)
     path = write_gguf(model_dir, tmp_path / "gguf", "Q4_0", types={
         "mlp.up_proj.weight": "Q4_1", "mlp.down_proj.weight": "Q8_0", "mlp.gate_proj.weight": "Q4_K",
