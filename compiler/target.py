@@ -31,6 +31,11 @@ EQUAL_RATE_BF16_DOT_CPUS = ("znver",)
 # CPUs whose hardware prefetchers alone keep some one-row decode products at the memory's rate (AMD Zen 4: which
 # ones, `schedules.cpu._rows_gemv`); an Intel Xeon and Zen 5 run faster with software prefetches (docs/performance.md).
 HARDWARE_PREFETCH_CPUS = ("znver4",)
+# CPUs on which one x row's widening form (`schedules.cpu._rows_gemv`, the float32 build's decode products) of
+# bfloat16 weights streams faster with its prefetches eager: addresses not bounded to the weights (a prefetch past
+# their end is harmless), so they issue as plain instructions, and streams of half a page. AMD Zen 5, rows of 896 and
+# 1536 from memory: 1.15-1.28x (docs/performance.md); float16 weights and the dot-product form keep bounded ones
+EAGER_PREFETCH_CPUS = ("znver5",)
 # CPUs that run a 512-bit FMA as two 256-bit halves (AMD Zen 4): the register tile of a few-row product with 8 or 16
 # x rows ran 1.3-1.4x faster there with 8 accumulators than with 16 (docs/performance.md)
 HALF_WIDTH_AVX512_CPUS = ("znver4",)
@@ -72,6 +77,11 @@ class CpuTarget:
     def hardware_prefetch(self) -> bool:
         """Whether some one-row decode products leave prefetching to the hardware."""
         return self.mcpu in HARDWARE_PREFETCH_CPUS
+
+    @property
+    def eager_prefetch(self) -> bool:
+        """Whether one x row's widening-form products issue their prefetches eagerly (EAGER_PREFETCH_CPUS)."""
+        return self.mcpu.startswith(EAGER_PREFETCH_CPUS)
 
     @property
     def gemv_accumulators(self) -> int:

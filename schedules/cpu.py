@@ -199,6 +199,12 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
     LLVM unrolls the depth loop whole, and at depth 896 it scheduled that code with the weights read out of order and
     widened values spilled to the stack (0.48-0.81 of numpy's rate from memory, against 1.00-1.12 with four;
     512 to 1152 deep otherwise within 4% either way).
+    On AMD Zen 5 (`target.eager_prefetch`) one x row of bfloat16 weights in the widening form prefetches eagerly:
+    addresses not bounded to w, which LLVM then issues as plain instructions at the head of each unrolled group of
+    steps (bounded, each took four integer instructions between the FMAs), and streams of half of STREAM_BYTES
+    (1536-deep rows: the next row, not the one after). From memory, beside the bounded form: rows of 896 1.24-1.28x,
+    [8960, 1536] 1.15-1.21x, the dot products' rate; deeper rows level; float16 weights, the dot-product form and
+    several x rows were slower so (0.81-0.93).
     Schedule primitives cannot insert prefetches, so this loop nest is written out; it computes the sums of
     `compiler.kernels.linear` in another order.
     """
@@ -225,7 +231,9 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
     if prefetching is None:
         hardware_suffices = _beyond_a_page(k) if dot else 4 * k + row_bytes <= GEMV_X_BLOCK_BYTES
         prefetching = not (target.hardware_prefetch and m == 1 and hardware_suffices and not blocked)
-    run = 1 if blocked else max(p for p in range(1, -(-STREAM_BYTES // row_bytes) + 1) if n % (cols * p) == 0)
+    eager = m == 1 and not dot and w_buf.dtype == "bfloat16" and target.eager_prefetch
+    stream_bytes = STREAM_BYTES // 2 if eager else STREAM_BYTES
+    run = 1 if blocked else max(p for p in range(1, -(-stream_bytes // row_bytes) + 1) if n % (cols * p) == 0)
     rows_per_task = tiles * cols * run
     line = max(1, CACHE_LINE // (step * w_bytes))  # steps per cache line of a row
     per_line = line if block % (step * line) == 0 else 1
@@ -242,6 +250,12 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
     def at(kb, s, u):
         """The first depth element of step u of cache line s of depth block kb."""
         return kb * block + (s * per_line + u) * step
+
+    def ahead(task, t, c, j, kb, s, p):
+        """The element that prefetch p of cache line s reads: in the row one run of tiles ahead, bounded to w unless
+        eager."""
+        element = (row(task, t, c, j) + cols * run) * k + at(kb, s, 0) + p * CACHE_LINE // w_bytes
+        return element if eager else T.min(element, n * k - 1)
 
     @T.macro
     def widened_products(acc, wide, xs, ws, task, t, j, g, kb, s, u):
@@ -289,8 +303,7 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
                     if prefetching and g == 0:  # one prefetch per cache line of each of the next run of tiles' rows
                         for c in T.unroll(cols):
                             for p in T.unroll(lines):
-                                T.evaluate(prefetch(flat[T.min((row(task, t, c, j) + cols * run) * k + at(kb, s, 0)
-                                                               + p * CACHE_LINE // w_bytes, n * k - 1)]))
+                                T.evaluate(prefetch(flat[ahead(task, t, c, j, kb, s, p)]))
                     for u in T.unroll(per_line):
                         step_products(acc, wide, xs, ws, task, t, j, g, kb, s, u)
                 for r in T.unroll(group):
@@ -325,14 +338,18 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
 
 def rows_on_dot_products(func: tirx.PrimFunc, target) -> bool:
     """Whether a bf16 build on AVX512-BF16 runs this few-row product (`_rows_gemv`) on dot products: always, but for
-    one x row of weight rows up to STREAM_BYTES long on a CPU whose hardware prefetchers suffice (AMD Zen 4). There
-    the widening form streams such rows from memory without software prefetches as fast as the dot products do with
-    them, or faster (`benchmarks.decode_products`, two builds side by side: 1024-deep rows, all of Qwen3.5's
-    projections but two, 0.71-0.85x for the dot products, Qwen3.5's vocabulary head 0.77-0.81x; 896-deep 0.86-1.09x,
-    2048-deep 0.90-1.00x), while longer rows, which both forms stream without them, go 1.04-1.12x faster on dot
-    products (3584 to 5632 deep)."""
+    one x row of short weight rows. On a CPU whose hardware prefetchers suffice (AMD Zen 4) rows up to STREAM_BYTES
+    long take the widening form, which streams them from memory without software prefetches as fast as the dot
+    products do with them, or faster (`benchmarks.decode_products`, two builds side by side: 1024-deep rows, all of
+    Qwen3.5's projections but two, 0.71-0.85x for the dot products, Qwen3.5's vocabulary head 0.77-0.81x; 896-deep
+    0.86-1.09x, 2048-deep 0.90-1.00x), while longer rows, which both forms stream without them, go 1.04-1.12x faster
+    on dot products (3584 to 5632 deep). On one whose widening form prefetches eagerly (AMD Zen 5) rows shorter than
+    STREAM_BYTES take it: Qwen3.5-0.8B's bf16 build decoded 1.21x faster so (its 1024-deep rows), Qwen2.5-0.5B's
+    level (896); rows of a page were level in both forms, and stay on dot products."""
     m, k = (int(d) for d in func.params[0].shape)
-    return not (target.hardware_prefetch and m == 1 and not _beyond_a_page(k))
+    if m != 1 or not (target.hardware_prefetch or target.eager_prefetch):
+        return True
+    return _beyond_a_page(k) if target.hardware_prefetch else 2 * k >= STREAM_BYTES
 
 
 def _beyond_a_page(k: int) -> bool:

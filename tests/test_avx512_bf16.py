@@ -233,8 +233,10 @@ def test_the_instruction_computes_the_decode_rows_as_the_portable_dot_does(rows,
 
 
 @pytest.mark.parametrize("mcpu,rows,depth,dots,prefetches", [
-    ("znver5", 1, 5632, True, True), ("znver5", 1, 1024, True, True),  # dot products, software prefetches at every
-    ("cooperlake", 1, 896, True, True),  # depth
+    ("znver5", 1, 5632, True, True), ("znver5", 1, 2048, True, True),  # Zen 5, one row of a page or more: dot
+    ("cooperlake", 1, 896, True, True),  # products with software prefetches, as at every depth on other CPUs
+    ("znver5", 1, 1024, False, True), ("znver5", 1, 896, False, True),  # shorter: the widening form, eager ones
+    ("znver5", 4, 1024, True, True),  # several rows: dot products
     ("znver4", 1, 5632, True, False), ("znver4", 1, 2112, True, False),  # Zen 4, one row longer than a page: dot
     # products, prefetching left to the hardware
     ("znver4", 1, 2048, False, False), ("znver4", 1, 1024, False, False),  # ... a page or less: the widening form,
