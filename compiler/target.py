@@ -31,19 +31,25 @@ EQUAL_RATE_BF16_DOT_CPUS = ("znver",)
 # CPUs whose hardware prefetchers alone keep some one-row decode products at the memory's rate (AMD Zen 4: which
 # ones, `schedules.cpu._rows_gemv`); an Intel Xeon and Zen 5 run faster with software prefetches (docs/performance.md).
 HARDWARE_PREFETCH_CPUS = ("znver4",)
+# Intel cores from Ice Lake's Sunny Cove on: a 48 KiB L1 data cache and 1.25-2 MiB of L2 a core
+INTEL_WIDE_L1_CPUS = ("icelake", "tigerlake", "rocketlake", "alderlake", "raptorlake", "meteorlake", "arrowlake",
+                      "lunarlake", "pantherlake", "sapphirerapids", "emeraldrapids", "graniterapids", "diamondrapids")
+# CPUs whose cores have a 48 KiB L1 data cache (those and AMD Zen 5); others 32 KiB. Where a few-row decode product's
+# x rows and a weight row outgrow it, the product reads x in depth blocks (`schedules.cpu`)
+WIDE_L1_CPUS = (*INTEL_WIDE_L1_CPUS, "znver5")
 # CPUs on which one x row's widening form (`schedules.cpu._rows_gemv`, the float32 build's decode products) of
 # bfloat16 weights streams faster with its prefetches eager: addresses not bounded to the weights (a prefetch past
-# their end is harmless), so they issue as plain instructions, and streams of half a page. AMD Zen 5, rows of 896 and
-# 1536 from memory: 1.15-1.28x (docs/performance.md); float16 weights and the dot-product form keep bounded ones
-EAGER_PREFETCH_CPUS = ("znver5",)
+# their end is harmless), so they issue as plain instructions, and streams of half a page. From memory, AMD Zen 5:
+# rows of 896 and 1536 1.15-1.28x; the Intel Xeon with AMX: 896 to 8960 deep 1.04-1.07x, deeper level
+# (docs/performance.md); float16 weights and the dot-product form keep bounded ones
+EAGER_PREFETCH_CPUS = ("znver5", *INTEL_WIDE_L1_CPUS)
+# CPUs on which one x row streams its weights in one pass at any depth, x read from L2 where it and a weight row
+# outgrow L1 together: the Intel Xeon with AMX, [1536, 8960], [3584, 18944] and [4096, 14336] from memory 1.05-1.07x
+# faster than in depth blocks, where AMD Zen 4 ran 1.2-1.4x faster in them (docs/performance.md)
+ONE_PASS_ROW_CPUS = INTEL_WIDE_L1_CPUS
 # CPUs that run a 512-bit FMA as two 256-bit halves (AMD Zen 4): the register tile of a few-row product with 8 or 16
 # x rows ran 1.3-1.4x faster there with 8 accumulators than with 16 (docs/performance.md)
 HALF_WIDTH_AVX512_CPUS = ("znver4",)
-# CPUs whose cores have a 48 KiB L1 data cache (Intel from Ice Lake's Sunny Cove on, AMD Zen 5); others 32 KiB. Where
-# a few-row decode product's x rows and a weight row outgrow it, the product reads x in depth blocks (`schedules.cpu`)
-WIDE_L1_CPUS = ("icelake", "tigerlake", "rocketlake", "alderlake", "raptorlake", "meteorlake", "arrowlake",
-                "lunarlake", "pantherlake", "sapphirerapids", "emeraldrapids", "graniterapids", "diamondrapids",
-                "znver5")
 # Qwen3.5-0.8B decode, Intel Xeon with AMX, alternating: the delta rule's time in a step 2.0-2.1 ms with one vector
 # (a state row read as one 64-byte line in eight), 1.5 with four, 1.7-2.2 with eight; prefill 1.04-1.07x faster
 SCAN_VECTORS = 4
@@ -82,6 +88,11 @@ class CpuTarget:
     def eager_prefetch(self) -> bool:
         """Whether one x row's widening-form products issue their prefetches eagerly (EAGER_PREFETCH_CPUS)."""
         return self.mcpu.startswith(EAGER_PREFETCH_CPUS)
+
+    @property
+    def one_pass_row(self) -> bool:
+        """Whether one x row's product reads its weights in one pass whatever the depth (ONE_PASS_ROW_CPUS)."""
+        return self.mcpu.startswith(ONE_PASS_ROW_CPUS)
 
     @property
     def gemv_accumulators(self) -> int:

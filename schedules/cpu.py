@@ -180,7 +180,9 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
     [2048, 5632]). On AMD Zen 4 against one pass, bf16 weights: one float32 x row of [2048, 8192] 1.05 of numpy's
     rate against 0.87, [1536, 8960] 1.50 against 1.05; two of [2048, 4096] 0.94 against 0.75; float16 [2048, 11008]
     0.76 against 0.54; in dot products one row of [3584, 18944] 0.88 against 0.73, four of [2048, 3584] 0.93 against
-    0.73. One row of float32 weights is left to `_gemv`.
+    0.73. On an Intel core (`target.one_pass_row`) one x row reads its weights in one pass at any depth, x from L2:
+    the Xeon with AMX streamed [1536, 8960], [3584, 18944] and [4096, 14336] 1.05-1.07x faster so. One row of float32
+    weights is left to `_gemv`.
 
     With `dot_ir` (bfloat16 weights, a bf16 build on AVX512-BF16: `schedules.avx512_bf16`; which products take it:
     `rows_on_dot_products`), the x rows are rounded to bfloat16 once and a step's products are dot products of
@@ -199,12 +201,12 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
     LLVM unrolls the depth loop whole, and at depth 896 it scheduled that code with the weights read out of order and
     widened values spilled to the stack (0.48-0.81 of numpy's rate from memory, against 1.00-1.12 with four;
     512 to 1152 deep otherwise within 4% either way).
-    On AMD Zen 5 (`target.eager_prefetch`) one x row of bfloat16 weights in the widening form prefetches eagerly:
-    addresses not bounded to w, which LLVM then issues as plain instructions at the head of each unrolled group of
-    steps (bounded, each took four integer instructions between the FMAs), and streams of half of STREAM_BYTES
-    (1536-deep rows: the next row, not the one after). From memory, beside the bounded form: rows of 896 1.24-1.28x,
-    [8960, 1536] 1.15-1.21x, the dot products' rate; deeper rows level; float16 weights, the dot-product form and
-    several x rows were slower so (0.81-0.93).
+    On AMD Zen 5 and Intel (`target.eager_prefetch`) one x row of bfloat16 weights in the widening form prefetches
+    eagerly: addresses not bounded to w, which LLVM then issues as plain instructions at the head of each unrolled
+    group of steps (bounded, each took four integer instructions between the FMAs), and streams of half of
+    STREAM_BYTES (1536-deep rows: the next row, not the one after). From memory, beside the bounded form, Zen 5: rows
+    of 896 1.24-1.28x, [8960, 1536] 1.15-1.21x, the dot products' rate, deeper rows level, float16 weights, the
+    dot-product form and several x rows slower so (0.81-0.93); the Xeon with AMX: 896 to 8960 deep 1.04-1.07x.
     Schedule primitives cannot insert prefetches, so this loop nest is written out; it computes the sums of
     `compiler.kernels.linear` in another order.
     """
@@ -223,7 +225,7 @@ def _rows_gemv(func: tirx.PrimFunc, target, prefetching: bool | None = None,
         return None
     x_bytes = 4 // pair  # x as the products read it: float32, or rounded to bfloat16
     w_bytes = tvm.DataType(w_buf.dtype).bits // 8
-    block = depth_block(m, n, k, step, x_bytes, w_bytes, target.l1_bytes)
+    block = k if m == 1 and target.one_pass_row else depth_block(m, n, k, step, x_bytes, w_bytes, target.l1_bytes)
     blocked = block < k
     group, cols = gemv_tile(m, n, halves, budget, blocked)
     tiles = GEMV_TASK_ROWS // cols if blocked else 1  # weight-row tiles per task
@@ -343,9 +345,10 @@ def rows_on_dot_products(func: tirx.PrimFunc, target) -> bool:
     products do with them, or faster (`benchmarks.decode_products`, two builds side by side: 1024-deep rows, all of
     Qwen3.5's projections but two, 0.71-0.85x for the dot products, Qwen3.5's vocabulary head 0.77-0.81x; 896-deep
     0.86-1.09x, 2048-deep 0.90-1.00x), while longer rows, which both forms stream without them, go 1.04-1.12x faster
-    on dot products (3584 to 5632 deep). On one whose widening form prefetches eagerly (AMD Zen 5) rows shorter than
-    STREAM_BYTES take it: Qwen3.5-0.8B's bf16 build decoded 1.21x faster so (its 1024-deep rows), Qwen2.5-0.5B's
-    level (896); rows of a page were level in both forms, and stay on dot products."""
+    on dot products (3584 to 5632 deep). On one whose widening form prefetches eagerly (AMD Zen 5; those Intel cores
+    with AVX512-BF16 have AMX, whose bf16 builds keep decode rows float32) rows shorter than STREAM_BYTES take it:
+    Qwen3.5-0.8B's bf16 build decoded 1.21x faster so (its 1024-deep rows), Qwen2.5-0.5B's level (896); rows of a
+    page were level in both forms, and stay on dot products."""
     m, k = (int(d) for d in func.params[0].shape)
     if m != 1 or not (target.hardware_prefetch or target.eager_prefetch):
         return True

@@ -70,11 +70,12 @@ def test_depth_blocks_are_the_widest_divisors_within_half_of_l1_or_none(rows, de
 @pytest.mark.parametrize("mcpu,depth,blocked", [
     ("znver4", 5632, True), ("skylake-avx512", 5632, True),  # 32 KiB of L1: x (22 KiB) and a row (11) outgrow it
     ("znver5", 5632, False), ("sapphirerapids", 5632, False), ("icelake-server", 5632, False),  # 48 KiB: they fit
-    ("znver5", 9216, True), ("sapphirerapids", 9216, True)])  # 36 + 18 KiB outgrow 48 too
+    ("znver5", 9216, True),  # 36 + 18 KiB outgrow 48 too
+    ("sapphirerapids", 9216, False), ("icelake-server", 18944, False)])  # Intel from Ice Lake: one pass, x from L2
 def test_depth_blocks_follow_each_cpus_l1_size(mcpu, depth, blocked):
     """One float32 x row of bfloat16 weights is read in depth blocks (a tile of four weight rows) only where x and a
-    weight row outgrow that CPU's L1 data cache: 32 KiB on AMD Zen 4 and older Intel, 48 on Zen 5 and Intel from
-    Ice Lake on."""
+    weight row outgrow that CPU's L1 data cache: 32 KiB on AMD Zen 4 and older Intel, 48 on Zen 5; Intel cores from
+    Ice Lake on (48 KiB) read one row's weights in one pass at any depth."""
     target = cpu_target(mcpu)
     assert target.l1_bytes == (32 if mcpu in ("znver4", "skylake-avx512") else 48) * 1024
     kernel = make_kernel("linear", [TensorType((1, depth), "float32"), TensorType((256, depth), "bfloat16")], {})
@@ -100,13 +101,16 @@ def test_one_row_products_leave_prefetching_to_the_hardware_only_where_it_suffic
     ("znver5", 1, 1536, "bfloat16", True, 256),  # ... and streams of half a page (3 KiB rows: one a task, not two)
     ("znver5", 1, 9216, "bfloat16", True, 16),  # one row in depth blocks
     ("znver5", 1, 1536, "float16", False, 128), ("znver5", 2, 1536, "bfloat16", False, 128),  # slower so on Zen 5
-    ("sapphirerapids", 1, 1536, "bfloat16", False, 128), ("znver4", 1, 4864, "bfloat16", False, 256)])
-def test_one_bf16_row_prefetches_eagerly_on_zen_5(mcpu, rows, depth, dtype, eager, tasks):
-    """On AMD Zen 5 one x row of bfloat16 weights in the widening form prefetches without bounding the addresses to
-    w, in streams of half a page (1.15-1.28x from memory there at depths 896 and 1536), and still matches numpy,
-    the last rows' prefetches reaching past w; other weights, several rows and other CPUs keep bounded ones."""
+    ("sapphirerapids", 1, 1536, "bfloat16", True, 256), ("sapphirerapids", 1, 9216, "bfloat16", True, 256),  # Intel
+    ("sapphirerapids", 2, 1536, "bfloat16", False, 128), ("sapphirerapids", 1, 1536, "float16", False, 128),
+    ("skylake-avx512", 1, 1536, "bfloat16", False, 128), ("znver4", 1, 4864, "bfloat16", False, 256)])
+def test_one_bf16_row_prefetches_eagerly_on_zen_5_and_intel(mcpu, rows, depth, dtype, eager, tasks):
+    """On AMD Zen 5 and Intel cores from Ice Lake on, one x row of bfloat16 weights in the widening form prefetches
+    without bounding the addresses to w, in streams of half a page (from memory, Zen 5: 1.15-1.28x at depths 896 and
+    1536; the Xeon with AMX: 1.04-1.07x), and still matches numpy, the last rows' prefetches reaching past w (in one
+    pass or in depth blocks); other weights, several rows and other CPUs keep bounded ones."""
     target = cpu_target(mcpu)
-    assert target.eager_prefetch == (mcpu == "znver5")
+    assert target.eager_prefetch == (mcpu in ("znver5", "sapphirerapids"))
     x = RNG.standard_normal((rows, depth)).astype(np.float32)
     w = (RNG.standard_normal((256, depth)) * depth ** -0.5).astype(NP_DTYPES[dtype])
     kernel = make_kernel("linear", [TensorType(x.shape, "float32"), TensorType(w.shape, dtype)], {})
