@@ -43,6 +43,9 @@ WIDE_L1_CPUS = (*INTEL_WIDE_L1_CPUS, "znver5")
 # rows of 896 and 1536 1.15-1.28x; the Intel Xeon with AMX: 896 to 8960 deep 1.04-1.07x, deeper level
 # (docs/performance.md); float16 weights and the dot-product form keep bounded ones
 EAGER_PREFETCH_CPUS = ("znver5", *INTEL_WIDE_L1_CPUS)
+# CPUs on which a bf16 build's one-row decode products of rows shorter than a page take that eager widening form
+# rather than dot products: AMD Zen 5, Qwen3.5-0.8B's bf16 build decoded 1.21x faster so (docs/performance.md)
+SHORT_ROWS_WIDENED_CPUS = ("znver5",)
 # CPUs on which one x row streams its weights in one pass at any depth, x read from L2 where it and a weight row
 # outgrow L1 together: the Intel Xeon with AMX, [1536, 8960], [3584, 18944] and [4096, 14336] from memory 1.05-1.07x
 # faster than in depth blocks, where AMD Zen 4 ran 1.2-1.4x faster in them (docs/performance.md)
@@ -88,6 +91,11 @@ class CpuTarget:
     def eager_prefetch(self) -> bool:
         """Whether one x row's widening-form products issue their prefetches eagerly (EAGER_PREFETCH_CPUS)."""
         return self.mcpu.startswith(EAGER_PREFETCH_CPUS)
+
+    @property
+    def short_rows_widened(self) -> bool:
+        """Whether a bf16 build's one-row products of short rows take the widening form (SHORT_ROWS_WIDENED_CPUS)."""
+        return self.mcpu.startswith(SHORT_ROWS_WIDENED_CPUS)
 
     @property
     def one_pass_row(self) -> bool:

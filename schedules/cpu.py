@@ -345,12 +345,11 @@ def rows_on_dot_products(func: tirx.PrimFunc, target) -> bool:
     products do with them, or faster (`benchmarks.decode_products`, two builds side by side: 1024-deep rows, all of
     Qwen3.5's projections but two, 0.71-0.85x for the dot products, Qwen3.5's vocabulary head 0.77-0.81x; 896-deep
     0.86-1.09x, 2048-deep 0.90-1.00x), while longer rows, which both forms stream without them, go 1.04-1.12x faster
-    on dot products (3584 to 5632 deep). On one whose widening form prefetches eagerly (AMD Zen 5; those Intel cores
-    with AVX512-BF16 have AMX, whose bf16 builds keep decode rows float32) rows shorter than STREAM_BYTES take it:
-    Qwen3.5-0.8B's bf16 build decoded 1.21x faster so (its 1024-deep rows), Qwen2.5-0.5B's level (896); rows of a
-    page were level in both forms, and stay on dot products."""
+    on dot products (3584 to 5632 deep). On AMD Zen 5 (`target.short_rows_widened`), whose widening form prefetches
+    eagerly, rows shorter than STREAM_BYTES take it: Qwen3.5-0.8B's bf16 build decoded 1.21x faster so (its 1024-deep
+    rows), Qwen2.5-0.5B's level (896); rows of a page were level in both forms, and stay on dot products."""
     m, k = (int(d) for d in func.params[0].shape)
-    if m != 1 or not (target.hardware_prefetch or target.eager_prefetch):
+    if m != 1 or not (target.hardware_prefetch or target.short_rows_widened):
         return True
     return _beyond_a_page(k) if target.hardware_prefetch else 2 * k >= STREAM_BYTES
 

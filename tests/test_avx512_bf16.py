@@ -11,6 +11,7 @@ host has AVX512-BF16, and every machine checks that the kernel compiles to it fo
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import ml_dtypes
 import numpy as np
@@ -249,6 +250,17 @@ def test_decode_rows_take_dot_products_and_software_prefetches_where_they_stream
     assert (DOT in kernel.script()) == dots
     assert ("llvm.prefetch" in kernel.script()) == prefetches
 
+
+
+@pytest.mark.parametrize("depth", [896, 1024, 5632])
+def test_an_intel_core_with_amx_off_keeps_short_decode_rows_on_dot_products(depth):
+    """An Intel core whose host turned AMX off builds bf16 products on AVX512-BF16 dot products; its one-row decode
+    products take them at every depth (the widening form for short rows was measured faster on Zen 5 only), though
+    its widening form, where the float32 build runs it, prefetches eagerly."""
+    target = replace(cpu_target("sapphirerapids", "bfloat16"), bf16_path="avx512bf16")
+    assert target.bf16_products == "avx512bf16" and target.eager_prefetch and not target.short_rows_widened
+    kernel = cpu.schedule(linear_kernel(1, depth, 256), "linear", {}, target)
+    assert DOT in kernel.script()
 
 def test_decode_shapes_that_do_not_fit_keep_float32_products():
     for rows, depth, dtype in [(1, 96, "bfloat16"), (2, 48, "bfloat16"), (17, 64, "bfloat16"), (2, 64, "float16"),
