@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import gc
 import os
 import signal
 import sys
@@ -91,37 +92,40 @@ def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> 
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
         return main(argv)
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more can reach the reader
-        return _fail(debug, "error: output closed early (broken pipe); stopped", EXIT_BROKEN_PIPE)
-    except KeyboardInterrupt:
-        return _fail(debug, "interrupted", EXIT_INTERRUPTED)
-    except Terminated:
-        return _fail(debug, "terminated", EXIT_TERMINATED)
-    except RudaError as e:
-        return _fail(debug, f"error: {e}", e.exit_code)
-    except OSError as e:
-        error = storage_error(e, "working")
-        return _fail(debug, f"error: {error}", error.exit_code)
-    except MemoryError:
-        return _fail(debug, "error: out of memory; close other programs or use a smaller model or buckets", 8)
-    except Exception as e:  # a bug, not a user error: still one line, with how to get the details
-        if signals:
-            return _fail(debug, "interrupted" if signals[0] == signal.SIGINT else "terminated",
-                         EXIT_INTERRUPTED if signals[0] == signal.SIGINT else EXIT_TERMINATED)
-        return _fail(debug, f"internal error: {type(e).__name__}: {e}; rerun with --debug for the traceback and "
-                            "report it", EXIT_INTERNAL)
-
-
-def _fail(debug: bool, message: str, code: int) -> int:
-    if debug:
-        traceback.print_exc()
+    except (KeyboardInterrupt, Terminated, Exception) as error:
+        message, code = _last_words(error, signals)
+        if debug:
+            traceback.print_exc()
+    # The failed work's frames go now, not after our line: TVM objects they held may log as they are freed (a block
+    # builder interrupted mid-function warns), and the one line a failure ends with must be the last on stderr.
+    gc.collect()
     first, *_ = message.splitlines() or [""]
     try:
         print(first, file=sys.stderr, flush=True)
     except OSError:
         pass  # stderr is gone too: the exit code is all that is left
     return code
+
+
+def _last_words(error: BaseException, signals: list[int]) -> tuple[str, int]:
+    """The message and the exit status a CLI ends with after `error`."""
+    if isinstance(error, BrokenPipeError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more can reach the reader
+        return "error: output closed early (broken pipe); stopped", EXIT_BROKEN_PIPE
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted", EXIT_INTERRUPTED
+    if isinstance(error, Terminated):
+        return "terminated", EXIT_TERMINATED
+    if isinstance(error, OSError):
+        error = storage_error(error, "working")
+    if isinstance(error, RudaError):
+        return f"error: {error}", error.exit_code
+    if isinstance(error, MemoryError):
+        return "error: out of memory; close other programs or use a smaller model or buckets", 8
+    if signals:  # a bug, or TVM reporting an interrupt inside its own calls as a bare error
+        return ("interrupted", EXIT_INTERRUPTED) if signals[0] == signal.SIGINT else ("terminated", EXIT_TERMINATED)
+    return (f"internal error: {type(error).__name__}: {error}; rerun with --debug for the traceback and report it",
+            EXIT_INTERNAL)
 
 
 def _interrupt(signals: list[int], signum: int):

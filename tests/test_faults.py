@@ -315,6 +315,22 @@ def test_killed_build_leaves_the_old_artifact_and_nothing_else(copy, delay, sig)
     assert sorted(p.name for p in work.iterdir()) == ["artifact", "model", "systemp"] and not list(systemp.iterdir())
 
 
+def test_an_interrupt_inside_a_tvm_builder_still_ends_with_our_line():
+    """A build interrupted while lowering a step function frees a half-built TVM block builder, which logs a warning
+    as it goes: that happens before our last line, which stays the last on stderr."""
+    script = ("import sys\nfrom tvm import relax\nfrom ir.errors import run_cli\n"
+              "def main(argv):\n"
+              "    bb = relax.BlockBuilder()\n"
+              "    with bb.function('f', [relax.Var('x', relax.TensorType([2], 'float32'))]):\n"
+              "        raise KeyboardInterrupt()\n"
+              "sys.exit(run_cli(main))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, cwd=ROOT, timeout=120,
+                            env={**os.environ, "PYTHONPATH": f"{NO_TORCH}{os.pathsep}{ROOT}"})
+    lines = result.stderr.decode().strip().splitlines()
+    assert result.returncode == 130 and lines[-1] == "interrupted", result.stderr
+    assert any("BlockBuilder destroyed" in line for line in lines[:-1])  # the builder's warning did come, first
+
+
 def test_killed_first_build_leaves_no_artifact(copy):
     work, model, _ = copy
     proc = _start_build(work, model, work / "fresh", work)
