@@ -18,23 +18,30 @@ from tvm.script import tirx as T
 
 from ir.packing import PAIR_SLOTS, pair_column
 
-from .written import (PAIR_ROWS, bf16_bits, group_product, linear_func, nibble_pairs, nibble_table,
+from .written import (PAIR_ROWS, bf16_bits, group_product, group_value_pairs, linear_func, nibble_table,
                       pack_activation_pairs, packed_groups, packed_linear_func, transpose, widened)
 
 TILE = PAIR_ROWS  # rows per tile (16); a tile row holds 64 bytes: 32 bfloat16 or 16 float32
 DEPTH = 32  # bfloat16 depth per dot product
+HALF_DEPTH = DEPTH // 2  # a dot product's depth in groups of 16 rows (GGUF's Q2_K, Q3_K, Q6_K)
 BLOCK = 2 * TILE  # outputs per block side: 2 weight tiles x 2 activation tiles -> 4 accumulator tiles
 
 
 @T.macro
-def tile_config(cfg):
-    """Palette 1 with all eight tiles at 16 rows x 64 bytes, loaded into this thread's tile registers."""
+def tile_config(cfg, depth):
+    """Palette 1 loaded into this thread's tile registers: every tile 16 rows x 64 bytes, but for a dot product's
+    `depth` below 32 the A tiles (0, 1) narrower (depth bfloat16 a row) and the B tiles (2, 3) shorter (depth / 2
+    rows of pairs)."""
     for i in range(64):
         cfg[i] = T.uint8(0)
     cfg[0] = T.uint8(1)
     for t in range(8):
         cfg[16 + 2 * t] = T.uint8(64)
         cfg[48 + t] = T.uint8(TILE)
+    cfg[16] = T.uint8(2 * depth)  # bytes a row of tiles 0 and 1
+    cfg[18] = T.uint8(2 * depth)
+    cfg[50] = T.uint8(depth // 2)  # rows of tiles 2 and 3
+    cfg[51] = T.uint8(depth // 2)
     T.evaluate(T.call_llvm_intrin("void", "llvm.x86.ldtilecfg", T.address_of(cfg[0])))
 
 
@@ -61,7 +68,7 @@ def store(tile, address, stride):
 @T.macro
 def two_by_two(a0, a1, a_stride, b0, b1, b_stride):
     """Accumulator tiles 4..7 += A (tiles 0, 1 from addresses a0, a1: rows) @ B (tiles 2, 3 from b0, b1: columns),
-    one depth of 32; strides in bytes."""
+    one dot product's depth (`tile_config`'s); strides in bytes."""
     load(0, a0, a_stride)
     load(1, a1, a_stride)
     load(2, b0, b_stride)
@@ -113,7 +120,7 @@ def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
             acc = T.alloc_buffer((4, TILE, TILE), "float32", scope="local")
             t0 = T.alloc_buffer((TILE, TILE), "float32")  # a tile being transposed: 1 KiB each, in registers
             t1 = T.alloc_buffer((TILE, TILE), "float32")
-            tile_config(cfg)
+            tile_config(cfg, DEPTH)
             for rows in range(m // (x_tiles * TILE)):
                 zero_accumulators()
                 for s in range(k // DEPTH):  # A: two tiles of weight rows; B: x_tiles of activation rows
@@ -146,31 +153,32 @@ def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
 
 def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     """x @ W.T (+ bias) for float32 x and an AWQ weight in the pairs layout (ir.packing awq_int4_pairs) on AMX
-    tiles, or None when the shape does not fit (16-word column tiles, token rows a multiple of 32, groups of 32
-    rows or a multiple).
+    tiles, or None when the shape does not fit (16-word column tiles, token rows a multiple of 32, groups of 16
+    rows or a multiple of 32: a group of 16 takes dot products of half the depth).
 
     The roles swap: x rounded to bfloat16 is A (16 token rows x 32 depth, read in place), and the packed words
     are B, whose layout they already have: `(word >> 4n) & 0x000F000F` is a pair (depth 2p, depth 2p + 1) of
     4-bit values per column, and one vpermw turns each into its exact bfloat16. A task unpacks its column tile
     once (every depth, four nibbles) and reuses it for every block of token rows. C sums x * q over one group;
     after each group, y += s * (C - z * sum of x over the group) (affine: s * C + m * that sum), so the weights
-    are exact and only the activations are rounded, as in `amx_gemm`."""
+    are exact and only the activations are rounded, as in `amx_gemm`. A weight of two planes is unpacked as its
+    values 16 h + l (`group_value_pairs`), so it takes one set of dot products and one fold a group, not two."""
     x_buf, q_buf, z_buf, s_buf = func.params[:4]
     m, k = (int(d) for d in x_buf.shape)
     tiles, pairs, words = (int(d) for d in q_buf.shape)
     planes, groups, group = packed_groups(x_buf, s_buf, pairs)
-    groups *= planes  # packed groups: planes (ir.packing) of each group of x
-    if words != TILE or m % BLOCK or group % DEPTH or x_buf.dtype != "float32":
+    depth = DEPTH if group % DEPTH == 0 else HALF_DEPTH  # a dot product's
+    if words != TILE or m % BLOCK or group % depth or x_buf.dtype != "float32":
         return None
-    steps, columns = group // DEPTH, PAIR_SLOTS * words  # depth steps a group; columns a task
+    steps, columns = group // depth, PAIR_SLOTS * words  # depth steps a group; columns a task
 
     @T.macro
     def products(x, qw, qz, sc, ys, first):
         xa = T.alloc_buffer((m, k), "uint16")  # x as bfloat16 bits, row-major: the A tiles
-        xsum = T.alloc_buffer((m, groups // planes), "float32")  # sum of the rounded x over each group
+        xsum = T.alloc_buffer((m, groups), "float32")  # sum of the rounded x over each group
         for r in T.parallel(m):
             part = T.alloc_buffer((TILE,), "float32")
-            for g in range(groups // planes):
+            for g in range(groups):
                 for lane in T.vectorized(TILE):
                     part[lane] = T.float32(0)
                 for d in range(group // TILE):
@@ -184,23 +192,25 @@ def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
         for task in T.parallel(tiles):
             cfg = T.alloc_buffer((64,), "uint8")  # on the stack
             table = T.alloc_buffer((2 * TILE,), "uint16")
-            bt = T.alloc_buffer((2 * pairs // DEPTH, PAIR_SLOTS, TILE, TILE), "uint32")  # B: [step, nibble, pair, col]
+            bt = T.alloc_buffer((k // DEPTH, PAIR_SLOTS, TILE, TILE), "uint32")  # B: [step, nibble, pair, col]
             acc = T.alloc_buffer((2, 2, TILE, TILE), "float32", scope="local")
             yacc = T.alloc_buffer((m, columns), "float32")
-            tile_config(cfg)
+            tile_config(cfg, depth)
             nibble_table(table)
-            for d, i in T.grid(2 * pairs // DEPTH, TILE):
+            for g, p in T.grid(groups, group // 2):  # pair p of group g: bt's pair row g * group / 2 + p
                 for n in T.unroll(PAIR_SLOTS):
-                    bt[d, n, i, T.ramp(0, 1, TILE)] = nibble_pairs(table, qw[task, d * TILE + i, T.ramp(0, 1, TILE)], n)
+                    bt[(g * group // 2 + p) // TILE, n, (g * group // 2 + p) % TILE, T.ramp(0, 1, TILE)] = \
+                        group_value_pairs(table, qw, task, g, p, n, planes, group // 2, TILE)
             for r, c in T.grid(m, columns):
                 yacc[r, c] = T.float32(0)
             for half, rows, g in T.grid(PAIR_SLOTS // 2, m // BLOCK, groups):
                 zero_accumulators()
-                for s in range(steps):  # A: two tiles of x rows; B: two nibbles' columns
-                    two_by_two(T.address_of(xa[rows * BLOCK, (g // planes * steps + s) * DEPTH]),
-                               T.address_of(xa[rows * BLOCK + TILE, (g // planes * steps + s) * DEPTH]), k * 2,
-                               T.address_of(bt[g * steps + s, 2 * half, 0, 0]),
-                               T.address_of(bt[g * steps + s, 2 * half + 1, 0, 0]), 64)
+                for s in range(steps):  # A: two tiles of x rows; B: two nibbles' columns, from bt's pair row p
+                    p = (g * steps + s) * depth // 2
+                    two_by_two(T.address_of(xa[rows * BLOCK, (g * steps + s) * depth]),
+                               T.address_of(xa[rows * BLOCK + TILE, (g * steps + s) * depth]), k * 2,
+                               T.address_of(bt[p // TILE, 2 * half, p % TILE, 0]),
+                               T.address_of(bt[p // TILE, 2 * half + 1, p % TILE, 0]), 64)
                 store(4, T.address_of(acc[0, 0, 0, 0]), 64)
                 store(5, T.address_of(acc[0, 1, 0, 0]), 64)
                 store(6, T.address_of(acc[1, 0, 0, 0]), 64)
@@ -210,7 +220,7 @@ def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
                         yacc[rows * BLOCK + xt * TILE + r, (2 * half + nt) * TILE + c] = yacc[
                             rows * BLOCK + xt * TILE + r, (2 * half + nt) * TILE + c] + group_product(
                             qz, sc, task, g, 2 * half + nt, c, words, acc[xt, nt, r, c],
-                            xsum[rows * BLOCK + xt * TILE + r, g // planes], planes, group=group)
+                            xsum[rows * BLOCK + xt * TILE + r, g], planes, whole=planes == 2, group=group)
             for r, n, c in T.grid(m, PAIR_SLOTS, TILE):
                 ys[r, pair_column(task, n, c, words)] = first(pair_column(task, n, c, words)) + yacc[r, n * TILE + c]
             T.evaluate(T.call_llvm_intrin("void", "llvm.x86.tilerelease"))

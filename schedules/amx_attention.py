@@ -72,7 +72,7 @@ def amx_block_macro(shape):
         top = T.alloc_buffer((1,), "float32")
         t0 = T.alloc_buffer((TILE, TILE), "float32")  # a block of key pairs being transposed: in registers
         t1 = T.alloc_buffer((TILE, TILE), "float32")
-        tile_config(cfg)
+        tile_config(cfg, DEPTH)
         for j, c in T.grid(_steps(seen) * STEP, dim // lanes):  # positions past the last seen one
             for lane in T.vectorized(lanes):  # read it again: their probabilities are 0
                 kb[j, c * lanes + lane] = bf16_bits(keys[base(T.min(j, seen - 1)) + kv + c * lanes + lane])

@@ -32,7 +32,7 @@ from tvm.script import tirx as T
 
 from ir.packing import PAIR_SLOTS, pair_column
 
-from .written import (PAIR_ROWS, byte_pairs, group_product, linear_func, nibble_pairs, nibble_table,
+from .written import (PAIR_ROWS, group_product, group_value_pairs, linear_func, nibble_table,
                       pack_activation_pairs, packed_groups, packed_linear_func, transpose, widened)
 
 LANES = PAIR_ROWS  # float32 lanes of a zmm register (16): token rows per vector
@@ -214,13 +214,6 @@ def dpbf16_awq_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.Prim
         """Its column within the task's columns of y (ir.packing.pair_column of tile 0)."""
         return pair_column(0, nibble(ct, h, c), word(ct, h, c), words)
 
-    def values(table, qw, task, g, p, n):
-        """Nibble n of the words of row pair p of group g of x: pairs of the weight's exact values in bfloat16."""
-        if planes == 1:
-            return nibble_pairs(table, qw[task, g * group_pairs + p, T.ramp(0, 1, words)], n)
-        return byte_pairs(qw[task, 2 * g * group_pairs + p, T.ramp(0, 1, words)],
-                          qw[task, (2 * g + 1) * group_pairs + p, T.ramp(0, 1, words)], n)
-
     @T.macro
     def fold(acc, part, qz, sc, xsum, task, g, tv, ct, h):
         """A group's sums into the task's: scaled, less the zero point times the group's x (written.group_product)."""
@@ -261,7 +254,8 @@ def dpbf16_awq_gemm(func: tirx.PrimFunc, dot_ir: str = DPBF16PS_IR) -> tirx.Prim
                 for g in range(groups // planes):
                     for p in range(group_pairs):
                         for n in T.unroll(PAIR_SLOTS):
-                            unpacked[p, T.ramp(n * words, 1, words)] = values(table, qw, task, g, p, n)
+                            unpacked[p, T.ramp(n * words, 1, words)] = group_value_pairs(
+                                table, qw, task, g, p, n, planes, group_pairs, words)
                     for tv, ct in T.grid(m // LANES // vecs, columns // cols):
                         for c, v in T.grid(half, vecs):
                             for lane in T.vectorized(LANES):

@@ -160,6 +160,15 @@ def _pair_nibbles(words, n):
         T.uint32(4) * T.Cast("uint32", n), lanes)), T.broadcast(T.uint32(PAIR_MASK), lanes))
 
 
+def group_value_pairs(table, qw, task, g, p, n, planes: int, group_pairs: int, words: int):
+    """Nibble n of the `words` words of row pair p of group g of x in column tile `task` of a packed weight `qw`
+    (pairs layout, ir.packing): pairs of its exact values in bfloat16, a weight of two planes' as 16 h + l."""
+    if planes == 1:
+        return nibble_pairs(table, qw[task, g * group_pairs + p, T.ramp(0, 1, words)], n)
+    return byte_pairs(qw[task, 2 * g * group_pairs + p, T.ramp(0, 1, words)],
+                      qw[task, (2 * g + 1) * group_pairs + p, T.ramp(0, 1, words)], n)
+
+
 def byte_pairs(high, low, n):
     """Nibble n of PAIR_ROWS words of a weight's two planes (ir.packing: `high` and `low`, the same rows of its high
     and low plane) as the pairs of exact bfloat16 of their values 16 h + l (0..255, exact in bfloat16's 8 bits)."""

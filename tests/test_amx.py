@@ -87,14 +87,14 @@ def test_activations_round_to_nearest_bfloat16_ties_to_even():
 
 @needs_amx
 @pytest.mark.parametrize("rows,depth,cols,group", [(32, 64, 64, 32), (64, 256, 192, 64), (128, 512, 128, 128),
-                                                  (32, 128, 64, 128)])
+                                                  (32, 128, 64, 128), (32, 64, 64, 16), (64, 96, 192, 16)])
 @pytest.mark.parametrize("bias", [None, "float16"])
 @pytest.mark.parametrize("kind,planes", [("awq_int4_pairs", 1), ("affine_int4_pairs", 1), ("awq_int4_pairs", 2),
                                          ("affine_int4_pairs", 2)])
 def test_amx_awq_products_are_exact_in_the_weights(rows, depth, cols, group, bias, kind, planes):
     """AWQ prefill on AMX tiles: the 4-bit values enter as their exact bfloat16, zero points (or an affine kind's
     offsets) and scales are applied per group in float32, so only the activations are rounded; a weight of planes
-    sums each group's planes."""
+    sums each group's planes; groups of 16 rows take dot products of half the depth."""
     kernel, inputs, want = awq_product_case(RNG, rows, depth, cols, group, bias, kind, planes)
     target = cpu_target(matmul_precision="bfloat16")
     lib = tvm.compile(cpu.schedule(kernel, "linear", {}, target), target.tvm_target())
@@ -106,20 +106,24 @@ def test_amx_awq_products_are_exact_in_the_weights(rows, depth, cols, group, bia
 
 
 @needs_amx
-@pytest.mark.parametrize("kind,planes", [("affine_int4_pairs", 1), ("awq_int4_pairs", 2), ("affine_int4_pairs", 2)])
-def test_amx_awq_products_with_two_level_scales_are_exact_in_the_weights(kind, planes):
-    """A GGUF K-quant's two-level scales and offsets (ir.packing) on AMX tiles: two blocks of eight groups."""
-    kernel, inputs, want = awq_product_case(RNG, 32, 512, 64, 32, "float16", kind, planes, KQ_BLOCK)
+@pytest.mark.parametrize("kind,planes,group", [("affine_int4_pairs", 1, 32), ("awq_int4_pairs", 2, 32),
+                                               ("affine_int4_pairs", 2, 32), ("awq_int4_pairs", 1, 16),
+                                               ("affine_int4_pairs", 1, 16), ("awq_int4_pairs", 2, 16)])
+def test_amx_awq_products_with_two_level_scales_are_exact_in_the_weights(kind, planes, group):
+    """A GGUF K-quant's two-level scales and offsets (ir.packing) on AMX tiles: two blocks of eight groups of 32
+    (Q4_K, Q5_K) or sixteen of 16 (Q3_K, Q2_K, Q6_K); in tdpbf16ps, not the float32 fallback."""
+    kernel, inputs, want = awq_product_case(RNG, 32, 512, 64, group, "float16", kind, planes, KQ_BLOCK)
     target = cpu_target(matmul_precision="bfloat16")
     lib = tvm.compile(cpu.schedule(kernel, "linear", {}, target), target.tvm_target())
     enable_amx()
     out = tvm.runtime.empty((32, 64), "float32", tvm.cpu())
     lib["main"](*[tvm.runtime.tensor(a) for a in inputs], out)
+    assert "tdpbf16ps" in lib.mod.inspect_source("asm")
     np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=2e-6 * float(np.abs(want).max()))
 
 
 def test_awq_shapes_that_do_not_fill_the_tiles_keep_float32_products():
-    for rows, depth, cols, group in [(16, 64, 64, 32), (32, 64, 64, 16), (32, 64, 32, 32)]:
+    for rows, depth, cols, group in [(16, 64, 64, 32), (16, 64, 64, 16), (32, 64, 32, 32), (32, 64, 32, 16)]:
         types = [TensorType((rows, depth), "float32"),
                  TensorType((cols, depth), "float16", Packing("awq_int4_pairs", group))]
         assert amx_awq_gemm(make_kernel("linear", types, {}).func) is None
