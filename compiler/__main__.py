@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from ir.errors import add_debug_flag, run_cli
+from ir.errors import add_debug_flag, exit_cli
 
 from .options import (
     ARCHS,
@@ -102,4 +102,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    exit_cli(main)

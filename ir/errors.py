@@ -15,7 +15,7 @@ import signal
 import sys
 import traceback
 import warnings
-from typing import Callable
+from typing import Callable, NoReturn
 
 DEBUG_ENV = "RUDA_DEBUG"
 EXIT_INTERNAL = 70  # a bug: the message asks for a report
@@ -78,6 +78,22 @@ def positive_int(name: str):
 def add_debug_flag(parser: argparse.ArgumentParser) -> None:
     """The --debug option every CLI has."""
     parser.add_argument("--debug", action="store_true", help=f"show tracebacks of errors (or set {DEBUG_ENV}=1)")
+
+
+def exit_cli(main: Callable[[list[str]], int]) -> NoReturn:
+    """End the process with the exit status of `run_cli(main)`."""
+    code = run_cli(main)
+    if code == EXIT_INTERRUPTED:
+        # An interrupt that passed through exec() of a string (dataclasses make their methods so, as a module
+        # imports) marks it unhandled to CPython, however it was handled: under `python -m` the process would end by
+        # SIGINT at exit instead of with this status. So it ends here, its output flushed, without that exit.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass  # closed: nothing more can reach its reader
+        os._exit(code)
+    sys.exit(code)
 
 
 def run_cli(main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:

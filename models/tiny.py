@@ -30,7 +30,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from ir.errors import add_debug_flag, run_cli
+from ir.errors import add_debug_flag, exit_cli
 from models import checkpoint_tensor_shapes
 from models.pretokenize import LLAMA3_SPLIT, QWEN2_SPLIT
 from models.quantization import AwqQuantization, awq_config, awq_pack
@@ -571,4 +571,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(lambda argv: main(argv) or 0))
+    exit_cli(lambda argv: main(argv) or 0)

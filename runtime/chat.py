@@ -14,7 +14,7 @@ import io
 import sys
 from typing import TYPE_CHECKING
 
-from ir.errors import RudaError, UsageError, add_debug_flag, positive_int, run_cli
+from ir.errors import RudaError, UsageError, add_debug_flag, exit_cli, positive_int
 
 if TYPE_CHECKING:
     from .images import PreprocessedImages
@@ -204,4 +204,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    exit_cli(main)

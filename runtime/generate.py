@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from ir.errors import UsageError, add_debug_flag, positive_int, run_cli
+from ir.errors import UsageError, add_debug_flag, exit_cli, positive_int
 
 QWEN35_NEW_TOKENS = 8  # new tokens when not given for Qwen3.5; every other model: 32
 
@@ -148,4 +148,4 @@ def _serve_batch(pipeline, prompts: list[str], config) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    exit_cli(main)

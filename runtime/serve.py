@@ -20,7 +20,7 @@ import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from ir.errors import UsageError, add_debug_flag, positive_int, run_cli
+from ir.errors import UsageError, add_debug_flag, exit_cli, positive_int
 
 
 def main(argv: list[str]) -> int:
@@ -98,4 +98,4 @@ def make_server(model_dir, artifact=None, device: str = "cpu", max_active_sequen
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    exit_cli(main)
