@@ -153,8 +153,8 @@ def amx_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
 
 def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     """x @ W.T (+ bias) for float32 x and an AWQ weight in the pairs layout (ir.packing awq_int4_pairs) on AMX
-    tiles, or None when the shape does not fit (16-word column tiles, token rows a multiple of 32, groups of 16
-    rows or a multiple of 32: a group of 16 takes dot products of half the depth).
+    tiles, or None when the shape does not fit (16-word column tiles, token rows a multiple of 32, a depth of
+    whole 32s, groups of 16 rows or a multiple of 32: a group of 16 takes dot products of half the depth).
 
     The roles swap: x rounded to bfloat16 is A (16 token rows x 32 depth, read in place), and the packed words
     are B, whose layout they already have: `(word >> 4n) & 0x000F000F` is a pair (depth 2p, depth 2p + 1) of
@@ -168,7 +168,7 @@ def amx_awq_gemm(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
     tiles, pairs, words = (int(d) for d in q_buf.shape)
     planes, groups, group = packed_groups(x_buf, s_buf, pairs)
     depth = DEPTH if group % DEPTH == 0 else HALF_DEPTH  # a dot product's
-    if words != TILE or m % BLOCK or group % depth or x_buf.dtype != "float32":
+    if words != TILE or m % BLOCK or group % depth or k % DEPTH or x_buf.dtype != "float32":
         return None
     steps, columns = group // depth, PAIR_SLOTS * words  # depth steps a group; columns a task
 

@@ -123,7 +123,8 @@ def test_amx_awq_products_with_two_level_scales_are_exact_in_the_weights(kind, p
 
 
 def test_awq_shapes_that_do_not_fill_the_tiles_keep_float32_products():
-    for rows, depth, cols, group in [(16, 64, 64, 32), (16, 64, 64, 16), (32, 64, 32, 32), (32, 64, 32, 16)]:
+    for rows, depth, cols, group in [(16, 64, 64, 32), (16, 64, 64, 16), (32, 64, 32, 32), (32, 64, 32, 16),
+                                     (32, 48, 64, 16)]:  # three groups of 16: no whole 32s of depth
         types = [TensorType((rows, depth), "float32"),
                  TensorType((cols, depth), "float16", Packing("awq_int4_pairs", group))]
         assert amx_awq_gemm(make_kernel("linear", types, {}).func) is None
